@@ -1,0 +1,304 @@
+"""The one tree type that flows from drafting to verification, and its SGLang layout.
+
+A ``TokenTree`` holds ``n`` nodes per request (node 0 is the root: the last verified token),
+in topological order (every parent before its children). The same object is built by the
+EAGLE twin (``build_eagle_tree``) and by Graft's prune-then-graft scheduler, and is packed
+into exactly the tensors SGLang's verify path reads, so Graft never needs a second tree
+representation and falls back to plain EAGLE by construction.
+
+SGLang conventions reproduced here (sglang 0.5.23, ``eagle_utils.py`` and the
+``build_tree_efficient`` CUDA kernel):
+
+* ``retrive_index[b, i] = b * n + i``; ``positions = seq_len + depth``;
+* ``retrive_next_token[b, p]`` is the lowest-index child of ``p``, and
+  ``retrive_next_sibling[b, i]`` the next higher-index child of the same parent (-1: none);
+* the tree mask is ancestor-or-self, either ``full`` (per request ``n`` rows of
+  ``seq_len + n`` columns, prefix columns all True, requests one after another) or
+  ``qlen`` (``n x n`` per request).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from sglang_graft.candidates import Candidates, Source
+
+MASK_MODES = ("full", "qlen")
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """A batch of speculation trees with exactly ``n`` nodes each.
+
+    Attributes (all ``[bs, n]``):
+        tokens:  int64 token ids; column 0 is the root (the last verified token).
+        parents: int64 parent column, ``-1`` for the root, ``parents[:, i] < i`` otherwise.
+        depths:  int64 distance from the root (root 0).
+        scores:  float32 estimated P(path accepted); the root is 1.
+        sources: int64 ``Source`` codes (``Source.ROOT`` at column 0).
+        bins:    int64 calibration bucket of each node's proposer (see ``Candidates.bins``).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+    sources: torch.Tensor
+    bins: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first broken invariant."""
+        if self.tokens.dim() != 2:
+            raise ValueError(f"TokenTree.tokens must be [bs, n], got shape {tuple(self.tokens.shape)}")
+        bs, n = self.tokens.shape
+        if n < 2:
+            raise ValueError(f"a verify tree needs n >= 2 nodes (root + at least one proposal), got n={n}")
+        for name in ("parents", "depths", "scores", "sources", "bins"):
+            if getattr(self, name).shape != (bs, n):
+                raise ValueError(f"TokenTree.{name} has shape {tuple(getattr(self, name).shape)}, expected {(bs, n)}")
+        _check_token_range("TokenTree.tokens", self.tokens, vocab_size)
+        if bool((self.parents[:, 0] != -1).any()):
+            raise ValueError("TokenTree root (column 0) must have parent -1")
+        cols = torch.arange(n, device=self.parents.device)
+        p = self.parents[:, 1:]
+        if bool(((p < 0) | (p >= cols[1:])).any()):
+            raise ValueError("TokenTree.parents must point to an earlier column (a parent after its child)")
+        if bool(torch.isnan(self.scores).any()):
+            raise ValueError("TokenTree.scores contains NaN")
+        expected = depths_from_parents(self.parents)
+        if not torch.equal(expected, self.depths):
+            raise ValueError("TokenTree.depths disagree with parents")
+
+
+class VerifyLayout(NamedTuple):
+    """The verify-side tensors of SGLang's ``EagleVerifyInput`` for one tree batch."""
+
+    tree_mask: torch.Tensor  # bool, flattened, see module docstring
+    positions: torch.Tensor  # [bs * n] int64
+    retrive_index: torch.Tensor  # [bs, n] int64
+    retrive_next_token: torch.Tensor  # [bs, n] int64
+    retrive_next_sibling: torch.Tensor  # [bs, n] int64
+    draft_tokens: torch.Tensor  # [bs * n] int64
+
+
+def _check_token_range(name: str, tokens: torch.Tensor, vocab_size: int | None) -> None:
+    if tokens.numel() == 0:
+        return
+    lo = int(tokens.min())
+    if lo < 0:
+        raise ValueError(f"{name} holds negative token id {lo}")
+    if vocab_size is not None:
+        hi = int(tokens.max())
+        if hi >= vocab_size:
+            raise ValueError(f"{name} holds token id {hi}, outside the vocabulary [0, {vocab_size})")
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """``[bs, n, n]`` bool, ``[b, i, j]`` True iff node ``j`` is ``i`` or one of its ancestors.
+
+    Transitive closure by repeated squaring of the one-step relation: ``ceil(log2 n)``
+    batched matmuls and no data-dependent loop, so it never waits on the device.
+    """
+    bs, n = parents.shape
+    eye = torch.eye(n, dtype=torch.float32, device=parents.device).expand(bs, n, n)
+    step = torch.zeros(bs, n, n, dtype=torch.float32, device=parents.device)
+    has_parent = parents >= 0
+    step.scatter_(2, parents.clamp(min=0).unsqueeze(2), has_parent.unsqueeze(2).float())
+    reach = eye + step
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+    return reach > 0
+
+
+def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (root 0) from its parent column."""
+    return ancestor_mask(parents).sum(dim=2) - 1
+
+
+def child_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(next_token, next_sibling)``: each node's lowest-index child, and its next
+    higher-index sibling; ``-1`` where there is none. This is the order SGLang's
+    ``build_tree_efficient`` kernel produces and its verify kernels walk."""
+    bs, n = parents.shape
+    cols = torch.arange(n, device=parents.device)
+    none = torch.full((), n, dtype=torch.int64, device=parents.device)
+    # is_child[b, p, j]: node j hangs under node p.
+    is_child = parents.unsqueeze(1) == cols.view(1, n, 1)
+    first = torch.where(is_child, cols.view(1, 1, n), none).min(dim=2).values
+    # later_sibling[b, i, j]: j > i and both share a parent (the root has no siblings).
+    same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (parents.unsqueeze(2) >= 0)
+    later = same_parent & (cols.view(1, 1, n) > cols.view(1, n, 1))
+    nxt = torch.where(later, cols.view(1, 1, n), none).min(dim=2).values
+    return (
+        torch.where(first == n, -1, first),
+        torch.where(nxt == n, -1, nxt),
+    )
+
+
+def pack(
+    tree: TokenTree,
+    seq_lens: torch.Tensor,
+    mask_mode: str = "full",
+    seq_lens_sum: int | None = None,
+) -> VerifyLayout:
+    """Lay a tree batch out the way SGLang's tree-attention verify reads it.
+
+    Args:
+        tree: the batch of trees, ``n`` nodes each.
+        seq_lens: ``[bs]`` verified sequence length per request (the root's position).
+        mask_mode: ``"full"`` (FlashInfer/Triton FULL_MASK) or ``"qlen"`` (QLEN_ONLY).
+        seq_lens_sum: ``seq_lens.sum()`` if the caller already has it on the host.
+    """
+    if mask_mode not in MASK_MODES:
+        raise ValueError(f"mask_mode must be one of {MASK_MODES}, got {mask_mode!r}")
+    bs, n = tree.tokens.shape
+    if seq_lens.shape != (bs,):
+        raise ValueError(f"seq_lens must have shape ({bs},) like the tree batch, got {tuple(seq_lens.shape)}")
+    device = tree.tokens.device
+    seq_lens = seq_lens.to(device=device, dtype=torch.int64)
+    anc = ancestor_mask(tree.parents)
+    next_token, next_sibling = child_links(tree.parents)
+    retrive_index = (torch.arange(bs, device=device).unsqueeze(1) * n + torch.arange(n, device=device)).long()
+    positions = (seq_lens.unsqueeze(1) + tree.depths).reshape(-1)
+    if mask_mode == "qlen":
+        tree_mask = anc.reshape(-1)
+    else:
+        total = int(seq_lens.sum()) if seq_lens_sum is None else int(seq_lens_sum)
+        tree_mask = torch.ones(total * n + n * n * bs, dtype=torch.bool, device=device)
+        row_len = seq_lens + n  # [bs]
+        start = torch.cumsum(row_len * n, dim=0) - row_len * n  # first element of each request
+        rows = torch.arange(n, device=device)
+        idx = (
+            start.view(bs, 1, 1)
+            + rows.view(1, n, 1) * row_len.view(bs, 1, 1)
+            + seq_lens.view(bs, 1, 1)
+            + rows.view(1, 1, n)
+        )
+        tree_mask[idx.reshape(-1)] = anc.reshape(-1)
+    return VerifyLayout(
+        tree_mask=tree_mask,
+        positions=positions,
+        retrive_index=retrive_index,
+        retrive_next_token=next_token,
+        retrive_next_sibling=next_sibling,
+        draft_tokens=tree.tokens.reshape(-1),
+    )
+
+
+def tree_from_selection(
+    root_tokens: torch.Tensor,
+    candidates: Candidates,
+    selected: torch.Tensor,
+) -> TokenTree:
+    """Build a tree from the root and ``n - 1`` chosen candidate columns per request.
+
+    ``selected`` (``[bs, n-1]`` int64) must be sorted ascending and ancestor-closed; since a
+    candidate's parent always has a lower column, ascending column order is topological.
+    A selected node whose parent was not selected (possible only at exact score ties) is
+    hung under the root, which keeps the tree valid and verification exact.
+    """
+    bs, k = selected.shape
+    device = selected.device
+    tokens = torch.cat([root_tokens.view(bs, 1).long(), candidates.tokens.gather(1, selected)], dim=1)
+    cand_parent = candidates.parents.gather(1, selected)  # candidate column or -1
+    # Position of each selected node's parent among the selected columns (+1 for the root).
+    match = selected.unsqueeze(1) == cand_parent.unsqueeze(2)  # [bs, k, k]
+    found = match.any(dim=2)
+    parent_pos = torch.where(found, match.long().argmax(dim=2) + 1, torch.zeros_like(cand_parent))
+    parents = torch.cat([torch.full((bs, 1), -1, dtype=torch.int64, device=device), parent_pos], dim=1)
+    scores = torch.cat([torch.ones(bs, 1, device=device), candidates.scores.gather(1, selected).float()], dim=1)
+    sources = torch.cat(
+        [torch.full((bs, 1), int(Source.ROOT), dtype=torch.int64, device=device), candidates.sources.gather(1, selected)],
+        dim=1,
+    )
+    bins = torch.cat([torch.zeros(bs, 1, dtype=torch.int64, device=device), candidates.bins.gather(1, selected)], dim=1)
+    return TokenTree(tokens, parents, depths_from_parents(parents), scores, sources, bins)
+
+
+def eagle_candidates(
+    score_list: Sequence[torch.Tensor],
+    token_list: Sequence[torch.Tensor],
+    parents_list: Sequence[torch.Tensor],
+    topk: int,
+) -> Candidates:
+    """Flatten EAGLE's per-step draft outputs into one candidate set.
+
+    EAGLE's draft loop (sglang ``select_top_k_tokens``) records, per step ``i``, the
+    cumulative scores ``[bs, 1 or topk, topk]``, the tokens ``[bs, topk or topk^2]`` and,
+    in ``parents_list[i]``, which flattened candidates were expanded. A candidate at
+    flattened column ``j`` has ``parent_list[j // topk]`` as its parent column, where
+    ``parent_list = cat(parents_list[:-1])`` and entry 0 (``-1``) is the root.
+    """
+    scores = torch.cat([s.flatten(1) for s in score_list], dim=1)
+    tokens = torch.cat(list(token_list), dim=1).long()
+    if scores.shape != tokens.shape:
+        raise ValueError(
+            f"EAGLE draft outputs disagree: {scores.shape[1]} scores vs {tokens.shape[1]} tokens per request"
+        )
+    bs, m = tokens.shape
+    device = tokens.device
+    if len(parents_list) > 1:
+        parent_list = torch.cat(list(parents_list[:-1]), dim=1).long()
+    else:
+        parent_list = torch.full((bs, 1), -1, dtype=torch.int64, device=device)
+    group = torch.arange(m, device=device) // topk
+    if int(group.max()) >= parent_list.shape[1]:
+        raise ValueError(
+            f"EAGLE parents_list covers {parent_list.shape[1]} expansion slots but {m} candidates "
+            f"with topk={topk} need {int(group.max()) + 1}"
+        )
+    parents = parent_list[:, group]
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("EAGLE draft scores contain NaN")
+    return Candidates(
+        tokens=tokens,
+        parents=parents,
+        scores=scores.float(),
+        sources=torch.full_like(tokens, int(Source.DRAFT)),
+        valid=torch.ones_like(tokens, dtype=torch.bool),
+    )
+
+
+def build_eagle_tree(
+    bonus_tokens: torch.Tensor,
+    score_list: Sequence[torch.Tensor],
+    token_list: Sequence[torch.Tensor],
+    parents_list: Sequence[torch.Tensor],
+    seq_lens: torch.Tensor,
+    topk: int,
+    spec_steps: int,
+    num_verify_tokens: int,
+    tree_mask_mode: str = "full",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain EAGLE's verify tree: SGLang's ``organize_draft_results`` followed by
+    ``build_tree_kernel_efficient``, element for element, in plain PyTorch.
+
+    Returns ``(tree_mask, positions, retrive_index, retrive_next_token,
+    retrive_next_sibling, draft_tokens)``.
+    """
+    if num_verify_tokens < 2:
+        raise ValueError(f"num_verify_tokens must be >= 2, got {num_verify_tokens}")
+    if len(score_list) != spec_steps:
+        raise ValueError(f"expected {spec_steps} draft steps (spec_steps), got {len(score_list)}")
+    cands = eagle_candidates(score_list, token_list, parents_list, topk)
+    if cands.width < num_verify_tokens - 1:
+        raise ValueError(
+            f"num_verify_tokens={num_verify_tokens} needs {num_verify_tokens - 1} draft candidates, "
+            f"EAGLE produced {cands.width} (topk={topk}, spec_steps={spec_steps})"
+        )
+    _check_token_range("bonus_tokens", bonus_tokens, None)
+    selected = torch.sort(torch.topk(cands.scores, num_verify_tokens - 1, dim=-1).indices, dim=-1).values
+    tree = tree_from_selection(bonus_tokens, cands, selected)
+    return tuple(pack(tree, seq_lens, tree_mask_mode))  # type: ignore[return-value]
