@@ -46,6 +46,8 @@ class Candidates:
             confidence bucket; context/history: match-length bucket; recycling: rank
             bucket). It travels into the tree so that, after verify, each proposer can
             learn which of its buckets the target accepts. ``None`` means all zeros.
+        depths:  optional ``[bs, m]`` int64 depth below the root (1 for its children), for
+            proposers that know it by construction; ``None`` when not given.
     """
 
     tokens: torch.Tensor
@@ -54,6 +56,7 @@ class Candidates:
     sources: torch.Tensor
     valid: torch.Tensor
     bins: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bins is None:
@@ -71,7 +74,7 @@ class Candidates:
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "Candidates":
         """No proposals for any request (a dry source)."""
         z = torch.zeros(batch_size, 0, dtype=torch.int64, device=device)
-        return Candidates(z, z.clone(), z.float(), z.clone(), z.bool(), z.clone())
+        return Candidates(z, z.clone(), z.float(), z.clone(), z.bool(), z.clone(), z.clone())
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first malformed field."""
@@ -121,4 +124,5 @@ def concat_candidates(parts: list[Candidates]) -> Candidates:
         sources=torch.cat([p.sources for p in parts], dim=1),
         valid=torch.cat([p.valid for p in parts], dim=1),
         bins=torch.cat([p.bins for p in parts], dim=1),
+        depths=None if any(p.depths is None for p in parts) else torch.cat([p.depths for p in parts], dim=1),
     )

@@ -4,22 +4,21 @@ All proposals hang off the same root and carry the same currency, the estimated
 probability that the target accepts the whole path down to them. Grafting therefore is a
 single best-first selection over the union:
 
-1. **Summarise paths** by pointer jumping (``ceil(log2 depth)`` rounds of gathers): each
-   node's root-path hash, depth, whether every node on the path is valid, and the minimum
-   score on the path (so scores never increase from parent to child).
-2. **Merge duplicates**: nodes with the same root path are one node. The lowest column
+1. **Summarise paths** with the ancestor matrix of the candidate forest (transitive closure
+   by ``ceil(log2 m)`` batched matmuls): each node's depth, whether every node on its path
+   is valid, the minimum score on the path (so scores never increase from parent to
+   child), and a 64-bit hash of its token path (sum over the path of token x R^depth).
+2. **Merge duplicates**: nodes with the same path hash are one node. The lowest column
    (drafts come first) is kept, with the best score of the group; the others' children
    re-attach to it. A retrieved chain that repeats a draft path thus continues that path
-   instead of spending slots on a copy.
+   instead of spending slots on a copy. A hash collision (odds about m^2 / 2^64) could
+   only merge two different paths: that changes what is proposed, never what
+   verification accepts, so it cannot break losslessness.
 3. **Select** the best ``n - 1`` by (score desc, depth asc, column asc). Because a parent
    scores at least as high as its child and is shallower, the chosen set is always
-   ancestor-closed; the tie-break is total, so every process builds the same tree.
+   ancestor-closed; the key is unique, so every process builds the same tree.
 4. **Fill**: if fewer than ``n - 1`` real nodes exist, a chain of filler nodes (the root
-   token repeated) takes the remaining slots so shapes stay static for CUDA graphs.
-
-Path hashes are 64-bit polynomial hashes; a collision could only merge two distinct paths,
-which changes which tokens are proposed, never what verification accepts, so it can cost
-acceptance but cannot break losslessness.
+   token repeated) takes the remaining slots, so shapes stay static for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,47 +31,42 @@ import torch
 from sglang_graft.candidates import Candidates, Source, concat_candidates
 from sglang_graft.tree import TokenTree, tree_from_selection
 
-_HASH_BASE = 1_000_003  # odd multiplier; products wrap modulo 2**64 (int64 two's complement)
-_HASH_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio constant as a signed int64
+_HASH_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant (golden ratio), as signed int64
+_HASH_BASE = 0x100000001B3  # odd multiplier for depth powers; products wrap modulo 2**64
 
 
 class PathSummary(NamedTuple):
-    """Per-candidate facts about the path from the root down to it (all ``[bs, m]``)."""
+    """Per-candidate facts about the path from the root down to it."""
 
-    hash: torch.Tensor  # int64 hash of the token path
-    depth: torch.Tensor  # int64, 1 for children of the root
-    valid: torch.Tensor  # bool, every node on the path is valid
-    min_score: torch.Tensor  # float32, smallest score on the path
+    ancestors: torch.Tensor  # [bs, m, m] bool, ancestor-or-self (the root excluded)
+    depth: torch.Tensor  # [bs, m] int64, 1 for children of the root
+    valid: torch.Tensor  # [bs, m] bool, every node on the path is valid
+    min_score: torch.Tensor  # [bs, m] float32, smallest score on the path
+    path_hash: torch.Tensor  # [bs, m] int64 hash of the root-to-node token path
 
 
-def summarise_paths(c: Candidates, max_depth: int | None = None) -> PathSummary:
-    """Pointer-jumping pass over a candidate forest.
-
-    ``max_depth`` bounds the deepest path (default: the number of columns); it only sets
-    how many jumping rounds run, ``ceil(log2(max_depth)) + 1``, with no host sync.
-    """
+def summarise_paths(c: Candidates) -> PathSummary:
+    """Path facts for every candidate, from the forest's ancestor matrix."""
     bs, m = c.tokens.shape
+    device = c.tokens.device
     if m == 0:
-        z = torch.zeros(bs, 0, dtype=torch.int64, device=c.tokens.device)
-        return PathSummary(z, z.clone(), z.bool(), z.float())
-    bound = m if max_depth is None else max(1, min(max_depth, m))
-    ptr = c.parents.clone()
-    seg_hash = (c.tokens + 1) * _HASH_MIX
-    seg_pow = torch.full_like(c.tokens, _HASH_BASE)
-    depth = torch.ones_like(c.tokens)
-    valid = c.valid.clone()
-    min_score = c.scores.float().clone()
-    for _ in range(math.ceil(math.log2(bound)) + 1):
-        has = ptr >= 0
-        p = ptr.clamp(min=0)
-        up_hash = seg_hash.gather(1, p)
-        seg_hash = torch.where(has, up_hash * seg_pow + seg_hash, seg_hash)
-        seg_pow = torch.where(has, seg_pow * seg_pow.gather(1, p), seg_pow)
-        depth = torch.where(has, depth + depth.gather(1, p), depth)
-        valid = valid & (~has | valid.gather(1, p))
-        min_score = torch.where(has, torch.minimum(min_score, min_score.gather(1, p)), min_score)
-        ptr = torch.where(has, ptr.gather(1, p), ptr)
-    return PathSummary(seg_hash, depth, valid, min_score)
+        z = torch.zeros(bs, 0, dtype=torch.int64, device=device)
+        return PathSummary(z.view(bs, 0, 0).bool(), z, z.bool(), z.float(), z)
+    eye = torch.eye(m, device=device).expand(bs, m, m)
+    step = torch.zeros(bs, m, m, device=device)
+    step.scatter_(2, c.parents.clamp(min=0).unsqueeze(2), (c.parents >= 0).float().unsqueeze(2))
+    reach = eye + step
+    for _ in range(math.ceil(math.log2(max(m, 2)))):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+    depth = reach.sum(dim=2)
+    invalid_above = torch.bmm(reach, (~c.valid).float().unsqueeze(2)).squeeze(2)
+    ancestors = reach > 0
+    min_score = torch.where(ancestors, c.scores.float().unsqueeze(1), 2.0).min(dim=2).values
+    depth = depth.long()
+    powers = torch.full((m + 1,), _HASH_BASE, dtype=torch.int64, device=device).cumprod(dim=0)
+    contrib = (c.tokens + 1) * _HASH_MIX * powers[depth.clamp(max=m)]
+    path_hash = (ancestors.long() * contrib.unsqueeze(1)).sum(dim=2)
+    return PathSummary(ancestors, depth, invalid_above == 0, min_score, path_hash)
 
 
 class GraftResult(NamedTuple):
@@ -80,12 +74,7 @@ class GraftResult(NamedTuple):
     num_merged: torch.Tensor  # [bs] int64: proposals that duplicated another's path
 
 
-def graft(
-    root_tokens: torch.Tensor,
-    proposals: list[Candidates],
-    num_nodes: int,
-    max_depth: int | None = None,
-) -> GraftResult:
+def graft(root_tokens: torch.Tensor, proposals: list[Candidates], num_nodes: int) -> GraftResult:
     """Build the verify tree from the root and every proposer's candidates.
 
     Args:
@@ -93,7 +82,6 @@ def graft(
         proposals: candidate sets, highest priority first (drafts before retrieval):
             on a duplicate path the earliest proposer keeps the node and its source.
         num_nodes: ``n``, the verify budget including the root (>= 2).
-        max_depth: a bound on proposal depth, to skip needless jumping rounds.
     """
     if num_nodes < 2:
         raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {num_nodes}")
@@ -105,44 +93,58 @@ def graft(
         if c.batch_size != bs:
             raise ValueError(f"proposals have batch size {c.batch_size}, root_tokens has {bs}")
     slots = num_nodes - 1
-    cands = concat_candidates([*proposals, _filler_chain(root_tokens, slots)])
+    filler = _filler_chain(root_tokens, slots)
+    cands = concat_candidates(list(proposals))
     m = cands.width
-    bound = None if max_depth is None else max(max_depth, slots)
-    summary = summarise_paths(cands, bound)
+    if m == 0:  # every source dry: the whole tree is filler
+        only_filler = torch.arange(slots, device=device).expand(bs, slots)
+        return GraftResult(tree_from_selection(root_tokens, filler, only_filler), torch.zeros(bs, dtype=torch.int64, device=device))
+    summary = summarise_paths(cands)
 
-    # Merge: canonical[i] = lowest valid column with the same root path.
+    # Merge: canonical[i] = lowest live column with the same root path.
     cols = torch.arange(m, device=device)
     alive = summary.valid
-    same = (summary.hash.unsqueeze(2) == summary.hash.unsqueeze(1)) & alive.unsqueeze(1) & alive.unsqueeze(2)
+    same = summary.path_hash.unsqueeze(2) == summary.path_hash.unsqueeze(1)
+    same &= alive.unsqueeze(1) & alive.unsqueeze(2)
     canonical = torch.where(same, cols.view(1, 1, m), m).min(dim=2).values.clamp(max=m - 1)
     merged_score = torch.where(same, summary.min_score.unsqueeze(1), -1.0).max(dim=2).values
     is_canonical = alive & (canonical == cols)
-    is_filler = cands.sources == int(Source.FILLER)
-    num_merged = (alive & ~is_canonical & ~is_filler).sum(dim=1)
+    num_merged = (alive & ~is_canonical).sum(dim=1)
     parent_canon = torch.where(cands.parents >= 0, canonical.gather(1, cands.parents.clamp(min=0)), -1)
 
-    # Best-first selection with a total order: real nodes by (score desc, depth asc,
-    # column asc), then the filler chain in order, then everything dead.
-    key = torch.where(is_canonical & ~is_filler, -merged_score, torch.where(is_canonical, 1.5, 3.0))
-    order = torch.sort(summary.depth, dim=1, stable=True).indices
-    order = order.gather(1, torch.sort(key.gather(1, order), dim=1, stable=True).indices)
-    selected = torch.sort(order[:, :slots], dim=1).values
+    # One unique integer key per column: score desc (float bits are monotone for
+    # non-negative floats), then depth asc, then column asc; dead columns last.
+    score_bits = merged_score.clamp(0.0, 1.0).float().view(torch.int32).long()
+    key = ((0x3F800000 - score_bits) << 24) | (summary.depth << 12) | cols
+    key = torch.where(is_canonical, key, torch.iinfo(torch.int64).max - m + cols)
+    real = torch.sort(key, dim=1).indices[:, : min(slots, m)]
+    num_real = is_canonical.sum(dim=1, keepdim=True)
 
-    merged = Candidates(
-        tokens=cands.tokens,
-        parents=parent_canon,
-        scores=torch.where(is_filler, 0.0, merged_score.clamp(min=0.0)),
-        sources=cands.sources,
-        valid=is_canonical,
-        bins=cands.bins,
+    merged = concat_candidates(
+        [
+            Candidates(
+                tokens=cands.tokens,
+                parents=parent_canon,
+                scores=merged_score.clamp(min=0.0),
+                sources=cands.sources,
+                valid=is_canonical,
+                bins=cands.bins,
+            ),
+            filler,
+        ]
     )
-    return GraftResult(tree_from_selection(root_tokens, merged, selected), num_merged)
+    # Slot k takes the k-th best real node while there are enough, else filler k - num_real.
+    k = torch.arange(slots, device=device).expand(bs, slots)
+    padded = torch.cat([real, torch.zeros(bs, slots - real.shape[1], dtype=torch.int64, device=device)], dim=1)
+    chosen = torch.where(k < num_real, padded, m + k - num_real)
+    return GraftResult(tree_from_selection(root_tokens, merged, torch.sort(chosen, dim=1).values), num_merged)
 
 
 def _filler_chain(root_tokens: torch.Tensor, length: int) -> Candidates:
     """A chain repeating the root token: the only guess left when every source is dry.
 
-    It sorts after every real proposal, so it fills only slots nobody else wanted.
+    Its parents are relative to the filler block itself (``concat_candidates`` shifts
+    them); it is used only for slots no real proposal wanted.
     """
     bs = root_tokens.shape[0]
     device = root_tokens.device

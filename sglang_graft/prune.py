@@ -118,15 +118,15 @@ class ConfidencePruner:
         depth_t = torch.full_like(best, depth, dtype=torch.int64)
         return self.calibrated(depth_t, best) >= threshold
 
-    def prune(self, drafts: Candidates, stop_depth: torch.Tensor, max_depth: int | None = None) -> Candidates:
+    def prune(self, drafts: Candidates, stop_depth: torch.Tensor) -> Candidates:
         """Keep draft nodes no deeper than each request's ``stop_depth`` ``[bs]`` and scoring at
         least ``min_node_score``; scores become calibrated and ``bins`` the confidence bucket."""
-        summary = summarise_paths(drafts, max_depth)
+        depth = drafts.depths if drafts.depths is not None else summarise_paths(drafts).depth
         raw = drafts.scores.float()
-        scores = self.calibrated(summary.depth, raw)
+        scores = self.calibrated(depth, raw)
         keep = (
             drafts.valid
-            & (summary.depth <= stop_depth.view(-1, 1))
+            & (depth <= stop_depth.view(-1, 1))
             & (scores >= self.config.min_node_score)
         )
         return Candidates(
@@ -136,6 +136,7 @@ class ConfidencePruner:
             sources=drafts.sources,
             valid=keep,
             bins=confidence_bins(raw, self.config.num_bins),
+            depths=depth,
         )
 
     def observe(self, tree: TokenTree, accepted: torch.Tensor) -> None:

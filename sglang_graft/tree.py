@@ -20,7 +20,7 @@ SGLang conventions reproduced here (sglang 0.5.23, ``eagle_utils.py`` and the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
@@ -41,6 +41,8 @@ class TokenTree:
         scores:  float32 estimated P(path accepted); the root is 1.
         sources: int64 ``Source`` codes (``Source.ROOT`` at column 0).
         bins:    int64 calibration bucket of each node's proposer (see ``Candidates.bins``).
+        ancestors: ``[bs, n, n]`` bool ancestor-or-self mask, derived from ``parents`` once
+            when not given, so packing and verification never recompute it.
     """
 
     tokens: torch.Tensor
@@ -49,6 +51,11 @@ class TokenTree:
     scores: torch.Tensor
     sources: torch.Tensor
     bins: torch.Tensor
+    ancestors: torch.Tensor = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.ancestors is None:
+            object.__setattr__(self, "ancestors", ancestor_mask(self.parents))
 
     @property
     def batch_size(self) -> int:
@@ -115,7 +122,7 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(n, dtype=torch.float32, device=parents.device).expand(bs, n, n)
     step = torch.zeros(bs, n, n, dtype=torch.float32, device=parents.device)
     has_parent = parents >= 0
-    step.scatter_(2, parents.clamp(min=0).unsqueeze(2), has_parent.unsqueeze(2).float())
+    step.scatter_(2, parents.clamp(0, n - 1).unsqueeze(2), has_parent.unsqueeze(2).float())
     reach = eye + step
     for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
         reach = torch.bmm(reach, reach).clamp_(max=1.0)
@@ -168,7 +175,7 @@ def pack(
         raise ValueError(f"seq_lens must have shape ({bs},) like the tree batch, got {tuple(seq_lens.shape)}")
     device = tree.tokens.device
     seq_lens = seq_lens.to(device=device, dtype=torch.int64)
-    anc = ancestor_mask(tree.parents)
+    anc = tree.ancestors
     next_token, next_sibling = child_links(tree.parents)
     retrive_index = (torch.arange(bs, device=device).unsqueeze(1) * n + torch.arange(n, device=device)).long()
     positions = (seq_lens.unsqueeze(1) + tree.depths).reshape(-1)
@@ -224,7 +231,8 @@ def tree_from_selection(
         dim=1,
     )
     bins = torch.cat([torch.zeros(bs, 1, dtype=torch.int64, device=device), candidates.bins.gather(1, selected)], dim=1)
-    return TokenTree(tokens, parents, depths_from_parents(parents), scores, sources, bins)
+    ancestors = ancestor_mask(parents)
+    return TokenTree(tokens, parents, ancestors.sum(dim=2) - 1, scores, sources, bins, ancestors)
 
 
 def eagle_candidates(
@@ -260,6 +268,9 @@ def eagle_candidates(
             f"with topk={topk} need {int(group.max()) + 1}"
         )
     parents = parent_list[:, group]
+    # Step 0 yields topk children of the root; each later step topk^2 nodes one level deeper.
+    cols = torch.arange(m, device=device)
+    depths = torch.where(cols < topk, 1, 2 + (cols - topk) // (topk * topk)).expand(bs, m)
     if bool(torch.isnan(scores).any()):
         raise ValueError("EAGLE draft scores contain NaN")
     return Candidates(
@@ -268,6 +279,7 @@ def eagle_candidates(
         scores=scores.float(),
         sources=torch.full_like(tokens, int(Source.DRAFT)),
         valid=torch.ones_like(tokens, dtype=torch.bool),
+        depths=depths,
     )
 
 

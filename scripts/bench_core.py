@@ -1,0 +1,100 @@
+"""Microseconds per round for Graft's core: prune + graft + pack.
+
+Synthetic EAGLE draft outputs (topk 4, 5 steps: 68 candidates per request) plus a retrieved
+chain and a recycled subtree per request, at the given batch sizes and verify budgets.
+Prints a table (median of --reps rounds after --warmup); no assertions: numbers for notes.
+
+    .venv/bin/python scripts/bench_core.py [--device cuda] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sglang_graft.candidates import Candidates, Source
+from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
+from sglang_graft.graft import graft
+from sglang_graft.tree import eagle_candidates, pack
+
+
+def synthetic_round(bs: int, n: int, topk: int, steps: int, vocab: int, device: str, gen: torch.Generator):
+    score_list, token_list, parents_list = [], [], []
+    p = torch.softmax(torch.randn(bs, vocab, generator=gen) * 3, -1)
+    tp, ti = p.topk(topk, -1)
+    scores = tp
+    score_list.append(tp.unsqueeze(1))
+    token_list.append(ti)
+    parents_list.append(torch.arange(-1, topk).expand(bs, topk + 1))
+    for i in range(1, steps):
+        p = torch.softmax(torch.randn(bs * topk, vocab, generator=gen) * 3, -1)
+        tp, ti = p.topk(topk, -1)
+        expand = scores.unsqueeze(2) * tp.view(bs, topk, topk)
+        cs, ci = expand.flatten(1).topk(topk, -1)
+        scores = cs
+        score_list.append(expand)
+        token_list.append(ti.view(bs, topk * topk))
+        parents_list.append(ci + topk * topk * (i - 1) + topk)
+    m = n // 2
+    chain = Candidates(
+        tokens=torch.randint(0, vocab, (bs, m), generator=gen),
+        parents=(torch.arange(m) - 1).expand(bs, m).clone(),
+        scores=torch.linspace(0.6, 0.05, m).expand(bs, m).clone(),
+        sources=torch.full((bs, m), int(Source.CONTEXT)),
+        valid=torch.ones(bs, m, dtype=torch.bool),
+    )
+    move = lambda t: [x.to(device) for x in t]  # noqa: E731
+    chain = Candidates(*(getattr(chain, f).to(device) for f in ("tokens", "parents", "scores", "sources", "valid")))
+    return move(score_list), move(token_list), move(parents_list), chain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--budgets", default="8,16,32,64")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dev = args.device
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    topk, steps, vocab = 4, 5, 32000
+    pruner = ConfidencePruner(GateConfig(min_node_score=0.02), device=dev)
+    print(f"device={dev} threads={torch.get_num_threads()} topk={topk} steps={steps} (median us per round)")
+    print(f"{'bs':>4} {'n':>4} {'prune':>9} {'graft':>9} {'pack':>9} {'total':>9} {'us/req':>8}")
+    for bs in map(int, args.batch_sizes.split(",")):
+        for n in map(int, args.budgets.split(",")):
+            gen = torch.Generator().manual_seed(bs * 1000 + n)
+            s, t, p, chain = synthetic_round(bs, n, topk, steps, vocab, dev, gen)
+            seq_lens = torch.full((bs,), 512, device=dev)
+            roots = torch.zeros(bs, dtype=torch.long, device=dev)
+            times = {"prune": [], "graft": [], "pack": []}
+            for r in range(args.warmup + args.reps):
+                sync()
+                t0 = time.perf_counter()
+                cont = [pruner.step_continues(d + 1, s[d]) for d in range(steps)]
+                drafts = pruner.prune(eagle_candidates(s, t, p, topk), stop_depths(cont, bs, dev))
+                sync()
+                t1 = time.perf_counter()
+                tree, _ = graft(roots, [drafts, chain], n)
+                sync()
+                t2 = time.perf_counter()
+                pack(tree, seq_lens, "full", seq_lens_sum=512 * bs)
+                sync()
+                t3 = time.perf_counter()
+                if r >= args.warmup:
+                    times["prune"].append(t1 - t0)
+                    times["graft"].append(t2 - t1)
+                    times["pack"].append(t3 - t2)
+            med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+            total = sum(med.values())
+            print(f"{bs:>4} {n:>4} {med['prune']:>9.0f} {med['graft']:>9.0f} {med['pack']:>9.0f} {total:>9.0f} {total / bs:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
