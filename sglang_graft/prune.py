@@ -13,10 +13,12 @@ When every request of the batch is gated, ``step_continues(...).any()`` is False
 engine skips the remaining draft forwards altogether. Draft nodes below
 ``min_node_score`` are dropped as well, which frees verify slots for retrieval.
 
-Two modes. ``fixed`` compares the draft model's raw cumulative probabilities with the
-thresholds (ECHO's per-model constants). ``online`` first maps them through an
+Two modes. ``online`` (the default) maps raw cumulative probabilities through an
 ``AcceptanceCalibrator`` learned from past verify rounds (per depth and confidence
-bucket), so thresholds mean "probability the target accepts", the same for every model.
+bucket) before comparing, so thresholds mean "probability the target accepts", the same
+for every model, and drafted nodes share one currency with retrieved ones. ``fixed``
+compares the draft model's raw cumulative probabilities with the
+thresholds (ECHO's per-model constants).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class GateConfig:
         prior_strength, decay: see ``AcceptanceCalibrator``.
     """
 
-    mode: str = "fixed"
+    mode: str = "online"
     root_threshold: float = 0.2
     depth_thresholds: tuple[tuple[int, float], ...] = ((1, 0.2), (4, 0.3))
     min_node_score: float = 0.0

@@ -12,6 +12,12 @@ policy         draft model  confidence gates    retrieval
 ``retrieval``  no           -                   yes
 ``graft``      yes          yes                 yes, into the slots pruning freed
 =============  ===========  ==================  ==========================================
+
+Pruning frees slots in two ways: the gates stop drafting early (and drop draft nodes
+below ``min_node_score``), and, because drafted and retrieved nodes are scored in the same
+calibrated currency, a retrieved node that is likelier to be accepted than a weak draft
+node takes its slot in the best-first selection. Retrieval is therefore asked for up to
+``n - 1`` nodes every round and grafting keeps the best ``n - 1`` of everything.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ POLICIES = ("dense", "pruned", "retrieval", "graft")
 class RetrievalProposer(Protocol):
     """What the scheduler needs from ``sglang_graft.retrieval``."""
 
-    def propose(self, rids: Sequence[str], budget: torch.Tensor) -> Candidates: ...
+    def propose(self, rids: Sequence[str], budget: int) -> Candidates: ...
 
     def observe(
         self,
@@ -41,7 +47,9 @@ class RetrievalProposer(Protocol):
         tree_parents: torch.Tensor,
         tree_sources: torch.Tensor,
         accepted_mask: torch.Tensor,
-        target_topk: torch.Tensor | None,
+        target_topk: torch.Tensor | None = None,
+        *,
+        tree_bins: torch.Tensor,
     ) -> None: ...
 
 
@@ -110,7 +118,7 @@ class GraftScheduler:
         drafts: Candidates | None,
         continues: list[torch.Tensor] | None = None,
     ) -> GraftResult:
-        """The round's tree: pruned drafts first, then retrieval into the freed slots.
+        """The round's tree: the best ``n - 1`` of the pruned drafts and the retrieved nodes.
 
         Args:
             rids: request ids, one per row.
@@ -122,7 +130,6 @@ class GraftScheduler:
         device = root_tokens.device
         slots = self.config.num_nodes - 1
         parts: list[Candidates] = []
-        kept = torch.zeros(bs, dtype=torch.int64, device=device)
         if self.config.uses_draft:
             if drafts is None:
                 raise ValueError(f"policy {self.config.policy!r} needs draft candidates")
@@ -130,10 +137,9 @@ class GraftScheduler:
                 stop = stop_depths(continues or [], bs, device=device)
                 drafts = self.pruner.prune(drafts, stop)
             parts.append(drafts)
-            kept = drafts.valid.sum(dim=1).clamp(max=slots)
         if self.config.uses_retrieval:
             assert self.retriever is not None
-            parts.append(self.retriever.propose(rids, slots - kept))
+            parts.append(self.retriever.propose(rids, slots))
         if not parts:
             parts.append(Candidates.empty(bs, device))
         return graft(root_tokens, parts, self.config.num_nodes)
@@ -155,7 +161,9 @@ class GraftScheduler:
         if self.config.uses_gates:
             self.pruner.observe(tree, accepted_mask)
         if self.retriever is not None:
-            self.retriever.observe(rids, tree.tokens, tree.parents, tree.sources, accepted_mask, target_topk)
+            self.retriever.observe(
+                rids, tree.tokens, tree.parents, tree.sources, accepted_mask, target_topk, tree_bins=tree.bins
+            )
 
 
 def accepted_mask_from_nodes(accept_nodes: torch.Tensor, num_nodes: int) -> torch.Tensor:

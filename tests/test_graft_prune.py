@@ -181,7 +181,7 @@ def test_candidates_validate_names_the_problem():
 
 
 def test_fixed_gates_follow_echo_defaults():
-    pruner = ConfidencePruner(GateConfig())
+    pruner = ConfidencePruner(GateConfig(mode="fixed"))
     # Depth 1: root top-1 0.15 < 0.2 gates request 0; request 1 continues.
     cont1 = pruner.step_continues(1, torch.tensor([[0.15, 0.1], [0.6, 0.2]]))
     assert cont1.tolist() == [False, True]
@@ -193,7 +193,7 @@ def test_fixed_gates_follow_echo_defaults():
 
 
 def test_batch_stops_when_every_request_is_gated():
-    pruner = ConfidencePruner(GateConfig(root_threshold=0.5))
+    pruner = ConfidencePruner(GateConfig(mode="fixed", root_threshold=0.5))
     assert not bool(pruner.step_continues(1, torch.tensor([[0.3, 0.2], [0.4, 0.1]])).any())
     assert bool(pruner.step_continues(1, torch.tensor([[0.3, 0.2], [0.6, 0.1]])).any())
 
@@ -203,7 +203,7 @@ def test_prune_keeps_nodes_up_to_stop_depth_and_above_min_score():
     bs, topk, steps = 2, 3, 4
     s, t, p = simulate_eagle_draft(bs, topk, steps, vocab=50, gen=gen)
     drafts = eagle_candidates(s, t, p, topk)
-    pruner = ConfidencePruner(GateConfig(min_node_score=0.05))
+    pruner = ConfidencePruner(GateConfig(mode="fixed", min_node_score=0.05))
     kept = pruner.prune(drafts, torch.tensor([2, 4]))
     depth = summarise_paths(drafts).depth
     assert not bool((kept.valid[0] & (depth[0] > 2)).any())

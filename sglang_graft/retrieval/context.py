@@ -1,0 +1,166 @@
+"""A request's own tokens, and the index of where its current suffix occurred before.
+
+Repeated code blocks, copied spans and a prompt quoted back all show up as a suffix of
+the sequence that already occurred earlier in it; what followed then is a cheap guess for
+what follows now. ``ContextIndex`` finds those earlier occurrences the way LZ77
+compressors do: hash chains over exact n-gram keys.
+
+* ``head[key]`` is the latest position whose n-gram (the ``n`` tokens ending there) has
+  that key; ``prev[i]`` is the previous position with the same n-gram as position ``i``.
+  Appending a token is one dictionary update: O(1).
+* A lookup walks at most ``max_chain`` links back from the current position, extends each
+  hit backwards to its full match length (capped), and keeps the longest, most recent
+  ones. The current longest match is also carried forward token by token while the
+  sequence keeps copying it, so a long copy is never lost behind a busy n-gram chain.
+
+Everything is bounded: a request keeps at most ``max_tokens`` tokens (when it grows past
+that, the oldest half is dropped and the index rebuilt, amortised O(1) per token), and the
+whole state is dropped when the request finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from sglang_graft.retrieval.continuations import Occurrence
+from sglang_graft.retrieval.tokens import NgramKeys, common_suffix_length, dict_bytes
+
+
+class TokenWindow:
+    """The most recent ``max_tokens`` tokens of one request: its root and its suffix.
+
+    Every source reads the root (the last token) from here; history lookups read the
+    suffix; a finished request's window is what feeds the history index.
+    """
+
+    def __init__(self, tokens: array, max_tokens: int) -> None:
+        if not tokens:
+            raise ValueError("a request needs at least one token (the root of its first proposal)")
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.tokens = array("q")
+        self.extend(tokens)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    def extend(self, new: array) -> None:
+        """Append tokens, dropping the oldest half of the window when it overflows."""
+        self.tokens.extend(new)
+        if len(self.tokens) > self.max_tokens:
+            self.tokens = self.tokens[len(self.tokens) - self.max_tokens // 2 :]
+
+    def occurrences(self, depth: int) -> list[Occurrence]:
+        """A bare window indexes nothing, so it never proposes."""
+        return []
+
+    def memory_bytes(self) -> int:
+        return self.tokens.itemsize * len(self.tokens)
+
+
+class ContextIndex(TokenWindow):
+    """Suffix matches of one request against its own earlier tokens.
+
+    Args:
+        tokens: the prompt (at least one token, already range-checked).
+        vocab_size: for exact n-gram keys.
+        ngram: tokens a match needs before it is looked up (>= 1).
+        max_match: match lengths are measured up to this cap (>= ngram).
+        max_chain: chain links examined per lookup.
+        max_occurrences: occurrences handed on per lookup (longest first, then latest).
+        max_tokens: window bound, see ``TokenWindow``.
+    """
+
+    def __init__(
+        self,
+        tokens: array,
+        *,
+        vocab_size: int,
+        ngram: int,
+        max_match: int,
+        max_chain: int,
+        max_occurrences: int,
+        max_tokens: int,
+    ) -> None:
+        if max_match < ngram:
+            raise ValueError(f"max_match must be >= ngram ({ngram}), got {max_match}")
+        if max_chain < 1 or max_occurrences < 1:
+            raise ValueError(f"max_chain and max_occurrences must be >= 1, got {max_chain} and {max_occurrences}")
+        self._keys = NgramKeys(ngram, vocab_size)
+        self._max_match = max_match
+        self._max_chain = max_chain
+        self._max_occurrences = max_occurrences
+        self._reset_index()
+        super().__init__(tokens, max_tokens)
+
+    def _reset_index(self) -> None:
+        self._head: dict[int, int] = {}
+        self._prev = array("q")
+        self._key = 0
+        self._best_end = -1  # end of the longest match carried forward (-1: search next time)
+        self._best_len = 0
+
+    def extend(self, new: array) -> None:
+        """Append and index tokens: one dictionary update each, plus the carried match."""
+        tokens, head, prev, keys = self.tokens, self._head, self._prev, self._keys
+        n = keys.n
+        key = self._key
+        for t in new:
+            i = len(tokens)
+            if self._best_end >= 0:
+                if tokens[self._best_end + 1] == t:
+                    self._best_end += 1
+                    self._best_len = min(self._best_len + 1, self._max_match)
+                else:
+                    self._best_end = -1
+            tokens.append(t)
+            key = keys.roll(key, t)
+            if i >= n - 1:
+                prev.append(head.get(key, -1))
+                head[key] = i
+            else:
+                prev.append(-1)
+        self._key = key
+        if len(tokens) > self.max_tokens:
+            kept = tokens[len(tokens) - self.max_tokens // 2 :]
+            self.tokens = array("q")
+            self._reset_index()
+            self.extend(kept)
+
+    def occurrences(self, depth: int) -> list[Occurrence]:
+        """The longest (then latest) earlier matches of the current suffix, with ``depth`` tokens each.
+
+        A continuation that runs into the present repeats the span between the match and
+        now: if the text keeps copying itself, that is exactly what comes next.
+        """
+        tokens = self.tokens
+        i = len(tokens) - 1
+        if depth <= 0 or i < self._keys.n - 1:
+            return []
+        found: list[tuple[int, int]] = []  # (match length, end position)
+        end = self._prev[i]
+        for _ in range(self._max_chain):
+            if end < 0:
+                break
+            found.append((common_suffix_length(tokens, end, tokens, i, self._keys.n, self._max_match), end))
+            end = self._prev[end]
+        if self._best_end >= 0 and all(e != self._best_end for _, e in found):
+            found.append((self._best_len, self._best_end))
+        if not found:
+            return []
+        found.sort(key=lambda f: (-f[0], -f[1]))
+        del found[self._max_occurrences :]
+        self._best_len, self._best_end = found[0]
+        out = []
+        for length, e in found:
+            span = tokens[e + 1 : min(i + 1, e + 1 + depth)]
+            if len(span) < depth:
+                span = (span * (depth // len(span) + 1))[:depth]
+            out.append(Occurrence(length, span))
+        return out
+
+    def memory_bytes(self) -> int:
+        """Tokens and chain links, plus the key dictionary (table and its int objects, estimated)."""
+        return super().memory_bytes() + self._prev.itemsize * len(self._prev) + dict_bytes(self._head)

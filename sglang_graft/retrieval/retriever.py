@@ -1,0 +1,365 @@
+"""One small interface over the three retrieval sources.
+
+Per decode round the engine calls, for the requests of the batch:
+
+1. ``observe(...)`` with the verified tree: calibration learns from the outcome of every
+   retrieved node, and the recycling table records the target's top-k at every position;
+2. ``append(rid, tokens)`` with each request's accepted tokens (including the bonus);
+3. ``propose(rids, budget)``: one ``Candidates`` for the batch, rooted at each request's
+   last token, holding at most ``budget`` nodes per request, best first, all sources
+   merged by score (duplicates across sources are left to grafting, which merges them).
+
+Requests are opened with ``start_request`` and closed with ``finish_request`` (whose
+tokens then feed the history index, if so configured) or ``abort_request``; both free all
+of the request's state. The history index is also open to the engine's radix-cache glue
+as ``retriever.history`` (``insert`` / ``evict`` per namespace).
+
+Determinism: no randomness, wall time, set iteration or string hashing anywhere; the same
+sequence of calls gives the same candidates in every process.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sglang_graft.candidates import SOURCE_NAMES, Candidates, Source
+from sglang_graft.retrieval.context import ContextIndex, TokenWindow
+from sglang_graft.retrieval.continuations import EMPTY_PROPOSAL, continuation_tree
+from sglang_graft.retrieval.history import HistoryIndex
+from sglang_graft.retrieval.recycling import RecyclingTable
+from sglang_graft.retrieval.scoring import RETRIEVAL_SOURCES, RetrievalCalibration
+from sglang_graft.retrieval.selection import PackedCandidates, budget_list, concat_packed, select_top
+from sglang_graft.retrieval.tokens import TokenIds, token_array
+
+
+@dataclass(frozen=True)
+class RetrieverConfig:
+    """Which sources run, and every bound they keep.
+
+    Attributes:
+        vocab_size: token ids lie in ``[0, vocab_size)``.
+        recycling, context, history: enable each source.
+        recycling_k: successors per token in the recycling table.
+        recycling_max_nodes: rank paths a recycling proposal explores (its largest size).
+        recycling_max_depth: deepest recycled node.
+        context_ngram: suffix tokens a context match needs.
+        history_ngram: suffix tokens a history match needs.
+        max_match: match lengths are measured up to this cap.
+        max_chain: hash-chain links examined per context or history lookup.
+        max_occurrences: matches merged into one context or history proposal.
+        max_continuation: deepest context or history node.
+        max_request_tokens: tokens kept per request (older halves are dropped beyond it).
+        max_requests: open requests allowed at once (a leak guard: finish or abort them).
+        history_max_tokens: token budget of the history index (LRU eviction beyond it).
+        history_from_finished: feed finished requests into the history (the reference
+            engine's mode; inside SGLang the radix-cache glue feeds it instead).
+        prior_strength, decay: of the acceptance calibration (``AcceptanceCalibrator``).
+        device: where proposals are returned and the recycling table lives.
+    """
+
+    vocab_size: int
+    recycling: bool = True
+    context: bool = True
+    history: bool = True
+    recycling_k: int = 8
+    recycling_max_nodes: int = 64
+    recycling_max_depth: int = 6
+    context_ngram: int = 2
+    history_ngram: int = 3
+    max_match: int = 64
+    max_chain: int = 8
+    max_occurrences: int = 4
+    max_continuation: int = 16
+    max_request_tokens: int = 1 << 20
+    max_requests: int = 4096
+    history_max_tokens: int = 1 << 22
+    history_from_finished: bool = True
+    prior_strength: float = 8.0
+    decay: float = 0.999
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        for name in ("context_ngram", "history_ngram", "max_continuation", "max_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(eq=False)
+class _Request:
+    namespace: Hashable
+    window: TokenWindow  # a ContextIndex when the context source is on
+
+
+class Retriever:
+    """Owns the enabled retrieval sources, their calibration and per-request state."""
+
+    def __init__(self, config: RetrieverConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.recycling: RecyclingTable | None = None
+        if config.recycling:
+            self.recycling = RecyclingTable(
+                config.vocab_size,
+                config.recycling_k,
+                max_nodes=config.recycling_max_nodes,
+                max_depth=config.recycling_max_depth,
+                device=self.device,
+            )
+        self.history: HistoryIndex | None = None
+        if config.history:
+            self.history = HistoryIndex(
+                vocab_size=config.vocab_size,
+                max_tokens=config.history_max_tokens,
+                ngram=config.history_ngram,
+                max_match=config.max_match,
+                max_chain=config.max_chain,
+                max_occurrences=config.max_occurrences,
+            )
+        self.calibration = RetrievalCalibration(config.recycling_k, config.prior_strength, config.decay, self.device)
+        self._requests: dict[Hashable, _Request] = {}
+        # Rows: proposed, verified, accepted; columns: Source. Kept on the device (no sync).
+        self._counts = torch.zeros(3, len(Source), dtype=torch.int64, device=self.device)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start_request(self, rid: Hashable, prompt_ids: TokenIds, namespace: Hashable = None) -> None:
+        """Open a request; its prompt must hold at least one token (the first root)."""
+        if self._lookup(rid) is not None:
+            raise ValueError(f"request {rid!r} is already started")
+        if len(self._requests) >= self.config.max_requests:
+            raise ValueError(
+                f"cannot start request {rid!r}: {len(self._requests)} requests are open, "
+                f"max_requests={self.config.max_requests} (finish or abort some)"
+            )
+        try:
+            dict.fromkeys((namespace,))
+        except TypeError:
+            raise ValueError(f"namespace must be hashable, got {type(namespace).__name__}") from None
+        tokens = token_array(prompt_ids, self.config.vocab_size, f"prompt of request {rid!r}")
+        if not tokens:
+            raise ValueError(f"prompt of request {rid!r} is empty; it needs at least one token")
+        c = self.config
+        window: TokenWindow
+        if c.context:
+            window = ContextIndex(
+                tokens,
+                vocab_size=c.vocab_size,
+                ngram=c.context_ngram,
+                max_match=c.max_match,
+                max_chain=c.max_chain,
+                max_occurrences=c.max_occurrences,
+                max_tokens=c.max_request_tokens,
+            )
+        else:
+            window = TokenWindow(tokens, c.max_request_tokens)
+        self._requests[rid] = _Request(namespace, window)
+
+    def append(self, rid: Hashable, new_token_ids: TokenIds) -> None:
+        """Add a request's newly accepted tokens (the bonus token included)."""
+        req = self._get(rid)
+        req.window.extend(token_array(new_token_ids, self.config.vocab_size, f"tokens appended to request {rid!r}"))
+
+    def finish_request(self, rid: Hashable) -> None:
+        """Close a request; with ``history_from_finished`` its tokens enter the history."""
+        req = self._get(rid)
+        del self._requests[rid]
+        if self.history is not None and self.config.history_from_finished:
+            self.history.insert(req.namespace, req.window.tokens)
+
+    def abort_request(self, rid: Hashable) -> None:
+        """Close a request and forget it (nothing enters the history)."""
+        self._get(rid)
+        del self._requests[rid]
+
+    # ----------------------------------------------------------------- rounds
+
+    def propose(self, rids: Sequence[Hashable], budget: int | torch.Tensor) -> Candidates:
+        """Retrieved candidates for a batch: at most ``budget`` nodes per request, best first.
+
+        ``budget`` is an int for all requests or a ``[bs]`` integer tensor; 0 gives that
+        request no valid node, and a batch whose budgets are all 0 gets ``Candidates.empty``.
+        Negative budgets raise. The width is the largest budget (or less if every source
+        is short); padding columns have ``valid`` False.
+        """
+        reqs = [self._get(rid) for rid in rids]
+        bs = len(reqs)
+        self._check_distinct(rids)
+        budgets = budget_list(budget, bs)
+        top = max(budgets, default=0)
+        if top == 0:
+            return Candidates.empty(bs, self.device)
+        rates = self.calibration.step_probabilities()
+        parts = []
+        if self.recycling is not None:
+            roots = torch.frombuffer(array("q", [r.window.last_token for r in reqs]), dtype=torch.int64)
+            parts.append(self.recycling.expand(roots.to(self.device), rates[Source.RECYCLING]))
+        host = self._host_candidates(reqs, budgets, rates, sum(p.fields.shape[2] for p in parts))
+        if host is not None:
+            parts.append(host)
+        if not parts:
+            return Candidates.empty(bs, self.device)
+        limit = budget.to(self.device) if isinstance(budget, torch.Tensor) else budget
+        out = select_top(concat_packed(parts), limit, top)
+        self._counts[0].scatter_add_(0, out.sources.reshape(-1), out.valid.reshape(-1).long())
+        return out
+
+    def observe(
+        self,
+        rids: Sequence[Hashable],
+        tree_tokens: torch.Tensor,
+        tree_parents: torch.Tensor,
+        tree_sources: torch.Tensor,
+        accepted_mask: torch.Tensor,
+        target_topk: torch.Tensor | None = None,
+        *,
+        tree_bins: torch.Tensor,
+        target_logits: torch.Tensor | None = None,
+    ) -> None:
+        """Learn from one verify round.
+
+        Args:
+            rids: the requests of the batch, in row order.
+            tree_tokens, tree_parents, tree_sources, tree_bins: ``[bs, n]`` the verified
+                tree (``TokenTree`` layout: column 0 is the root, parent -1; every other
+                node's parent is an earlier column; ``bins`` as proposed).
+            accepted_mask: ``[bs, n]`` bool, the accepted path (the root counts as
+                accepted whatever its entry says).
+            target_topk: ``[bs, n, k]`` the target's top-k ids at every tree position,
+                for the recycling table; or pass ``target_logits`` ``[bs, n, vocab]``.
+                With neither, the table is not updated this round.
+        """
+        for rid in rids:
+            self._get(rid)
+        self._check_distinct(rids)
+        bs = len(rids)
+        if tree_tokens.dim() != 2 or tree_tokens.shape[0] != bs or tree_tokens.shape[1] < 1:
+            raise ValueError(f"tree_tokens must be [bs={bs}, n>=1], got shape {tuple(tree_tokens.shape)}")
+        shape = tree_tokens.shape
+        for name, t in (
+            ("tree_parents", tree_parents),
+            ("tree_sources", tree_sources),
+            ("tree_bins", tree_bins),
+            ("accepted_mask", accepted_mask),
+        ):
+            if t.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like tree_tokens")
+        if bs == 0:
+            return
+        lo, hi = (int(v) for v in torch.aminmax(tree_sources))
+        if lo < 0 or hi >= len(Source):
+            raise ValueError(f"tree_sources holds {lo if lo < 0 else hi}, outside the Source codes [0, {len(Source)})")
+        sources = tree_sources.long()
+        accepted = accepted_mask.bool()
+        self.calibration.observe(tree_parents.long(), sources, tree_bins.long(), accepted)
+        flat = sources.reshape(-1)
+        self._counts[1].scatter_add_(0, flat, torch.ones_like(flat))
+        self._counts[2].scatter_add_(0, flat, accepted.reshape(-1).long())
+        if self.recycling is not None and (target_topk is not None or target_logits is not None):
+            self.recycling.update(tree_tokens, target_topk, logits=target_logits)
+
+    # ----------------------------------------------------------------- reports
+
+    def stats(self) -> dict[str, object]:
+        """Per-source counts and acceptance, history occupancy, open requests, memory."""
+        proposed, verified, accepted = self._counts.tolist()
+        enabled = {
+            Source.RECYCLING: self.recycling is not None,
+            Source.CONTEXT: self.config.context,
+            Source.HISTORY: self.history is not None,
+        }
+        out: dict[str, object] = {}
+        for s in RETRIEVAL_SOURCES:
+            out[SOURCE_NAMES[s]] = {
+                "enabled": enabled[s],
+                "proposed": proposed[s],
+                "verified": verified[s],
+                "accepted": accepted[s],
+                "acceptance_rate": accepted[s] / verified[s] if verified[s] else None,
+            }
+        if self.history is not None:
+            out["history_index"] = {
+                "sequences": self.history.num_sequences,
+                "tokens": self.history.num_tokens,
+                "namespaces": self.history.num_namespaces,
+                "evicted": self.history.num_evicted,
+            }
+        out["requests"] = len(self._requests)
+        out["memory_bytes"] = self.memory_bytes()
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by each structure (host dictionaries estimated)."""
+        return {
+            "recycling": 0 if self.recycling is None else self.recycling.memory_bytes(),
+            "context": sum(r.window.memory_bytes() for r in self._requests.values()),
+            "history": 0 if self.history is None else self.history.memory_bytes(),
+        }
+
+    # ----------------------------------------------------------------- internals
+
+    def _lookup(self, rid: Hashable) -> _Request | None:
+        try:
+            return self._requests.get(rid)
+        except TypeError:
+            raise ValueError(f"request id must be hashable, got {type(rid).__name__}") from None
+
+    def _get(self, rid: Hashable) -> _Request:
+        req = self._lookup(rid)
+        if req is None:
+            raise ValueError(f"unknown request {rid!r} (not started, or already finished or aborted)")
+        return req
+
+    @staticmethod
+    def _check_distinct(rids: Sequence[Hashable]) -> None:
+        if len(dict.fromkeys(rids)) != len(rids):
+            raise ValueError(f"request ids in a batch must be distinct, got {list(rids)!r}")
+
+    def _host_candidates(
+        self, reqs: list[_Request], budgets: list[int], rates: dict[Source, list[float]], column_offset: int
+    ) -> PackedCandidates | None:
+        """Context and history proposals of every request, packed into one padded block
+        whose parent columns start at ``column_offset``."""
+        if not self.config.context and self.history is None:
+            return None
+        proposals = []
+        for req, b in zip(reqs, budgets):
+            depth = min(b, self.config.max_continuation)
+            ctx = continuation_tree(req.window.occurrences(depth), b, rates[Source.CONTEXT])
+            hist = EMPTY_PROPOSAL
+            if self.history is not None:
+                hist = continuation_tree(
+                    self.history.occurrences(req.namespace, req.window.tokens, depth), b, rates[Source.HISTORY]
+                )
+            proposals.append((ctx, hist))
+        width = max(len(c.tokens) + len(h.tokens) for c, h in proposals)
+        if width == 0:
+            return None
+        tokens, parents, sources, bins = array("q"), array("q"), array("q"), array("q")
+        scores = array("f")
+        for ctx, hist in proposals:
+            nc, nh = len(ctx.tokens), len(hist.tokens)
+            pad = width - nc - nh
+            tokens.extend(ctx.tokens)
+            tokens.extend(hist.tokens)
+            tokens.extend([-1] * pad)
+            parents.extend([p + column_offset if p >= 0 else -1 for p in ctx.parents])
+            parents.extend([p + column_offset + nc if p >= 0 else -1 for p in hist.parents])
+            parents.extend([-1] * pad)
+            sources.extend([int(Source.CONTEXT)] * nc + [int(Source.HISTORY)] * nh + [int(Source.FILLER)] * pad)
+            bins.extend(ctx.bins)
+            bins.extend(hist.bins)
+            bins.extend([0] * pad)
+            scores.extend(ctx.scores)
+            scores.extend(hist.scores)
+            scores.extend([0.0] * pad)
+        bs = len(reqs)
+        fields = torch.frombuffer(tokens + parents + sources + bins, dtype=torch.int64).view(4, bs, width)
+        return PackedCandidates(
+            fields.to(self.device), torch.frombuffer(scores, dtype=torch.float32).view(bs, width).to(self.device)
+        )
