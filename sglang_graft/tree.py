@@ -248,6 +248,7 @@ def eagle_candidates(
     in ``parents_list[i]``, which flattened candidates were expanded. A candidate at
     flattened column ``j`` has ``parent_list[j // topk]`` as its parent column, where
     ``parent_list = cat(parents_list[:-1])`` and entry 0 (``-1``) is the root.
+    Only shapes are checked here (no device sync on the hot path).
     """
     scores = torch.cat([s.flatten(1) for s in score_list], dim=1)
     tokens = torch.cat(list(token_list), dim=1).long()
@@ -261,18 +262,15 @@ def eagle_candidates(
         parent_list = torch.cat(list(parents_list[:-1]), dim=1).long()
     else:
         parent_list = torch.full((bs, 1), -1, dtype=torch.int64, device=device)
-    group = torch.arange(m, device=device) // topk
-    if int(group.max()) >= parent_list.shape[1]:
+    if topk < 1 or (m - 1) // topk >= parent_list.shape[1]:
         raise ValueError(
             f"EAGLE parents_list covers {parent_list.shape[1]} expansion slots but {m} candidates "
-            f"with topk={topk} need {int(group.max()) + 1}"
+            f"with topk={topk} need {(m - 1) // max(topk, 1) + 1}"
         )
-    parents = parent_list[:, group]
-    # Step 0 yields topk children of the root; each later step topk^2 nodes one level deeper.
     cols = torch.arange(m, device=device)
+    parents = parent_list[:, cols // topk]
+    # Step 0 yields topk children of the root; each later step topk^2 nodes one level deeper.
     depths = torch.where(cols < topk, 1, 2 + (cols - topk) // (topk * topk)).expand(bs, m)
-    if bool(torch.isnan(scores).any()):
-        raise ValueError("EAGLE draft scores contain NaN")
     return Candidates(
         tokens=tokens,
         parents=parents,
@@ -305,6 +303,8 @@ def build_eagle_tree(
     if len(score_list) != spec_steps:
         raise ValueError(f"expected {spec_steps} draft steps (spec_steps), got {len(score_list)}")
     cands = eagle_candidates(score_list, token_list, parents_list, topk)
+    if bool(torch.isnan(cands.scores).any()):
+        raise ValueError("EAGLE draft scores contain NaN")
     if cands.width < num_verify_tokens - 1:
         raise ValueError(
             f"num_verify_tokens={num_verify_tokens} needs {num_verify_tokens - 1} draft candidates, "
