@@ -14,13 +14,15 @@ import os
 import sys
 from typing import Callable, Sequence
 
-#: Flags filled in when absent: Graft's tree needs topk > 1 (see DESIGN.md section 4), and
-#: the budget and depth follow SGLang's usual EAGLE-3 settings for large models.
-GRAFT_DEFAULTS: tuple[tuple[str, str], ...] = (
+#: Flags filled in when absent: Graft's tree needs topk > 1 (see DESIGN.md section 4), the
+#: budget and depth follow SGLang's usual EAGLE-3 settings for large models, and the plugin
+#: refuses the overlap scheduler (its tree depends on the previous round's verify outcome).
+GRAFT_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--speculative-algorithm", "GRAFT"),
     ("--speculative-num-steps", "5"),
     ("--speculative-eagle-topk", "4"),
     ("--speculative-num-draft-tokens", "16"),
+    ("--disable-overlap-schedule", None),
 )
 
 CPU_HINT = (
@@ -43,7 +45,7 @@ def with_graft_defaults(args: Sequence[str]) -> list[str]:
     out = list(args)
     for flag, value in GRAFT_DEFAULTS:
         if not _given(out, flag):
-            out += [flag, value]
+            out += [flag] if value is None else [flag, value]
     return out
 
 
