@@ -235,50 +235,67 @@ def tree_from_selection(
     return TokenTree(tokens, parents, ancestors.sum(dim=2) - 1, scores, sources, bins, ancestors)
 
 
+def flatten_eagle_steps(
+    score_list: Sequence[torch.Tensor],
+    token_list: Sequence[torch.Tensor],
+    parents_list: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate EAGLE's per-step draft outputs: ``(scores [bs, m], tokens [bs, m],
+    parent_list [bs, p])``.
+
+    EAGLE's draft loop (sglang ``select_top_k_tokens``) records, per step ``i``, the
+    cumulative scores ``[bs, 1 or topk, topk]``, the tokens ``[bs, topk or topk^2]`` and,
+    in ``parents_list[i]``, which flattened candidates were expanded;
+    ``parent_list = cat(parents_list[:-1])`` (entry 0, ``-1``, is the root). Only
+    concatenations: it may run inside a CUDA graph.
+    """
+    scores = torch.cat([s.flatten(1) for s in score_list], dim=1)
+    tokens = torch.cat(list(token_list), dim=1)
+    if len(parents_list) > 1:
+        parent_list = torch.cat(list(parents_list[:-1]), dim=1)
+    else:
+        parent_list = torch.full((tokens.shape[0], 1), -1, dtype=torch.int64, device=tokens.device)
+    return scores, tokens, parent_list
+
+
+def candidates_from_flat(scores: torch.Tensor, tokens: torch.Tensor, parent_list: torch.Tensor, topk: int) -> Candidates:
+    """Draft candidates from ``flatten_eagle_steps``'s tensors.
+
+    A candidate at flattened column ``j`` hangs under ``parent_list[:, j // topk]``; its
+    depth follows from the layout (step 0 yields ``topk`` children of the root, each later
+    step ``topk^2`` nodes one level deeper). Only shapes are checked (no device sync).
+    """
+    if scores.shape != tokens.shape:
+        raise ValueError(
+            f"EAGLE draft outputs disagree: scores {tuple(scores.shape)} vs tokens {tuple(tokens.shape)}"
+        )
+    bs, m = tokens.shape
+    if topk < 1 or parent_list.shape[0] != bs or (m - 1) // topk >= parent_list.shape[1]:
+        raise ValueError(
+            f"EAGLE parent_list {tuple(parent_list.shape)} covers too few expansion slots: {m} candidates "
+            f"with topk={topk} need {(m - 1) // max(topk, 1) + 1} for each of {bs} requests"
+        )
+    cols = torch.arange(m, device=tokens.device)
+    depths = torch.where(cols < topk, 1, 2 + (cols - topk) // (topk * topk)).expand(bs, m)
+    tokens = tokens.long()
+    return Candidates(
+        tokens=tokens,
+        parents=parent_list.long()[:, cols // topk],
+        scores=scores.float(),
+        sources=torch.full_like(tokens, int(Source.DRAFT)),
+        valid=torch.ones_like(tokens, dtype=torch.bool),
+        depths=depths,
+    )
+
+
 def eagle_candidates(
     score_list: Sequence[torch.Tensor],
     token_list: Sequence[torch.Tensor],
     parents_list: Sequence[torch.Tensor],
     topk: int,
 ) -> Candidates:
-    """Flatten EAGLE's per-step draft outputs into one candidate set.
-
-    EAGLE's draft loop (sglang ``select_top_k_tokens``) records, per step ``i``, the
-    cumulative scores ``[bs, 1 or topk, topk]``, the tokens ``[bs, topk or topk^2]`` and,
-    in ``parents_list[i]``, which flattened candidates were expanded. A candidate at
-    flattened column ``j`` has ``parent_list[j // topk]`` as its parent column, where
-    ``parent_list = cat(parents_list[:-1])`` and entry 0 (``-1``) is the root.
-    Only shapes are checked here (no device sync on the hot path).
-    """
-    scores = torch.cat([s.flatten(1) for s in score_list], dim=1)
-    tokens = torch.cat(list(token_list), dim=1).long()
-    if scores.shape != tokens.shape:
-        raise ValueError(
-            f"EAGLE draft outputs disagree: {scores.shape[1]} scores vs {tokens.shape[1]} tokens per request"
-        )
-    bs, m = tokens.shape
-    device = tokens.device
-    if len(parents_list) > 1:
-        parent_list = torch.cat(list(parents_list[:-1]), dim=1).long()
-    else:
-        parent_list = torch.full((bs, 1), -1, dtype=torch.int64, device=device)
-    if topk < 1 or (m - 1) // topk >= parent_list.shape[1]:
-        raise ValueError(
-            f"EAGLE parents_list covers {parent_list.shape[1]} expansion slots but {m} candidates "
-            f"with topk={topk} need {(m - 1) // max(topk, 1) + 1}"
-        )
-    cols = torch.arange(m, device=device)
-    parents = parent_list[:, cols // topk]
-    # Step 0 yields topk children of the root; each later step topk^2 nodes one level deeper.
-    depths = torch.where(cols < topk, 1, 2 + (cols - topk) // (topk * topk)).expand(bs, m)
-    return Candidates(
-        tokens=tokens,
-        parents=parents,
-        scores=scores.float(),
-        sources=torch.full_like(tokens, int(Source.DRAFT)),
-        valid=torch.ones_like(tokens, dtype=torch.bool),
-        depths=depths,
-    )
+    """EAGLE's per-step draft outputs as one candidate set (see ``flatten_eagle_steps``)."""
+    return candidates_from_flat(*flatten_eagle_steps(score_list, token_list, parents_list), topk)
 
 
 def build_eagle_tree(

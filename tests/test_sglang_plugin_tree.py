@@ -64,16 +64,16 @@ def test_flattened_draft_outputs_equal_the_core_flattening():
     builder = TreeBuilder(GraftSettings(policy="dense"), num_nodes=8, topk=3, num_steps=4)
     (s, t, p), d = _draft(builder, bs=3, seed=2)
     core = eagle_candidates(s, t, p, 3)
-    assert torch.equal(d.tokens, core.tokens) and torch.equal(d.parents, core.parents)
-    assert torch.equal(d.scores, core.scores)
+    assert torch.equal(d.candidates.tokens, core.tokens) and torch.equal(d.candidates.parents, core.parents)
+    assert torch.equal(d.candidates.scores, core.scores) and torch.equal(d.candidates.depths, core.depths)
     assert d.continues.shape == (3, 3) and bool(d.continues.all())
 
 
 def test_flatten_handles_a_single_draft_level():
     builder = TreeBuilder(GraftSettings(policy="dense"), num_nodes=3, topk=2, num_steps=1)
     (s, t, p), d = _draft(builder, bs=2, seed=0)
-    assert d.tokens.shape == (2, 2) and d.continues.shape == (2, 0)
-    assert torch.equal(d.parents, torch.full((2, 2), -1))
+    assert d.candidates.tokens.shape == (2, 2) and d.continues.shape == (2, 0)
+    assert torch.equal(d.candidates.parents, torch.full((2, 2), -1))
 
 
 @pytest.mark.parametrize("full", [True, False])

@@ -23,30 +23,23 @@ from typing import Sequence
 
 import torch
 
-from sglang_graft.candidates import Candidates, Source
+from sglang_graft.candidates import Candidates
 from sglang_graft.scheduler import GraftScheduler, RetrievalProposer
 from sglang_graft.sglang.settings import GraftSettings
-from sglang_graft.tree import TokenTree, VerifyLayout, pack
+from sglang_graft.tree import TokenTree, VerifyLayout, candidates_from_flat, flatten_eagle_steps, pack
 
 
 @dataclass(frozen=True)
 class DraftOutputs:
-    """One round's draft candidates with their parents and the gate masks.
-
-    Built by ``from_flat`` from the Graft draft forward's outputs, which are batch-first
-    so that SGLang's draft CUDA-graph runner slices them like EAGLE's own.
+    """One round's draft candidates and the gate masks of the levels drafted.
 
     Attributes:
-        scores: ``[bs, m]`` cumulative draft probability of each candidate's path.
-        tokens: ``[bs, m]`` candidate token ids.
-        parents: ``[bs, m]`` parent column, ``-1`` for children of the root.
+        candidates: the drafted nodes with raw cumulative draft probabilities.
         continues: ``[bs, L]`` bool, column ``d - 1``: whether each request may draft
             past level ``d`` (``L`` = levels drafted before the last one).
     """
 
-    scores: torch.Tensor
-    tokens: torch.Tensor
-    parents: torch.Tensor
+    candidates: Candidates
     continues: torch.Tensor
 
     @staticmethod
@@ -57,22 +50,8 @@ class DraftOutputs:
         continues: torch.Tensor,
         topk: int,
     ) -> "DraftOutputs":
-        """Candidates from ``flatten_draft_steps``'s tensors (what a draft CUDA graph returns).
-
-        A candidate at flattened column ``j`` hangs under ``parent_list[:, j // topk]``
-        (EAGLE's ``organize_draft_results`` convention; entry 0, ``-1``, is the root).
-        """
-        bs, m = tokens.shape
-        if scores.shape != (bs, m):
-            raise ValueError(f"draft scores {tuple(scores.shape)} and tokens {(bs, m)} disagree")
-        groups = -(-m // topk)
-        if parent_list.shape[0] != bs or parent_list.shape[1] < groups:
-            raise ValueError(
-                f"parent_list {tuple(parent_list.shape)} covers too few expansion slots: {m} candidates "
-                f"with topk={topk} need {groups}"
-            )
-        group = torch.arange(m, device=tokens.device) // topk
-        return DraftOutputs(scores.float(), tokens.long(), parent_list.long()[:, group], continues.bool())
+        """From ``flatten_draft_steps``'s tensors (what the draft CUDA graph returns)."""
+        return DraftOutputs(candidates_from_flat(scores, tokens, parent_list, topk), continues.bool())
 
 
 def flatten_draft_steps(
@@ -81,23 +60,17 @@ def flatten_draft_steps(
     parents_list: Sequence[torch.Tensor],
     continues: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenate EAGLE's per-level draft outputs (``select_top_k_tokens``) and gate masks.
+    """EAGLE's per-level draft outputs and gate masks as four batch-first tensors.
 
     Only concatenations, no host synchronisation, so it may run inside SGLang's draft
     CUDA graph. Returns ``(scores [bs, m], tokens [bs, m], parent_list [bs, p],
     continues [bs, L])`` for ``DraftOutputs.from_flat``.
     """
-    scores = torch.cat([s.flatten(1) for s in score_list], dim=1)
-    tokens = torch.cat(list(token_list), dim=1)
-    bs = tokens.shape[0]
-    if len(parents_list) > 1:
-        parent_list = torch.cat(list(parents_list[:-1]), dim=1)
-    else:
-        parent_list = torch.full((bs, 1), -1, dtype=torch.int64, device=tokens.device)
+    scores, tokens, parent_list = flatten_eagle_steps(score_list, token_list, parents_list)
     if continues:
         gates = torch.stack(list(continues), dim=1)
     else:
-        gates = torch.ones(bs, 0, dtype=torch.bool, device=tokens.device)
+        gates = torch.ones(tokens.shape[0], 0, dtype=torch.bool, device=tokens.device)
     return scores, tokens, parent_list, gates
 
 
@@ -169,18 +142,14 @@ class TreeBuilder:
             seq_lens_sum: ``seq_lens.sum()`` when known on the host (avoids a sync).
         """
         bs = bonus_tokens.shape[0]
-        if len(rids) != bs or drafts.tokens.shape[0] != bs or seq_lens.shape != (bs,):
+        rows = drafts.candidates.batch_size
+        if len(rids) != bs or rows != bs or seq_lens.shape != (bs,):
             raise ValueError(
                 f"batch sizes disagree: {len(rids)} rids, {bs} bonus tokens, "
-                f"{drafts.tokens.shape[0]} draft rows, seq_lens {tuple(seq_lens.shape)}"
+                f"{rows} draft rows, seq_lens {tuple(seq_lens.shape)}"
             )
-        cands = Candidates(
-            tokens=drafts.tokens.long(),
-            parents=drafts.parents.long(),
-            scores=drafts.scores.float(),
-            sources=torch.full_like(drafts.tokens, int(Source.DRAFT), dtype=torch.int64),
-            valid=torch.ones_like(drafts.tokens, dtype=torch.bool),
+        result = self.scheduler.build_tree(
+            rids, bonus_tokens.long(), drafts.candidates, list(drafts.continues.unbind(1))
         )
-        result = self.scheduler.build_tree(rids, bonus_tokens.long(), cands, list(drafts.continues.unbind(1)))
         layout = pack(result.tree, seq_lens, mask_mode=mask_mode, seq_lens_sum=seq_lens_sum)
         return GraftRound(result.tree, layout, result.num_merged)
