@@ -1,0 +1,273 @@
+"""``sglang-graft``: one command for the reference engine, the benchmark and the server.
+
+Subcommands:
+
+* ``generate``: decode prompts with one policy on the transformers reference engine;
+* ``bench``: every policy and transformers' own baselines side by side on Spec-Bench;
+* ``serve``: SGLang's server with Graft switched on (GPU hosts).
+
+Every argument is checked (and the models' paths, configs and tokenizers) before any
+weights load; a bad value exits with status 2 and one line naming it and its valid range.
+Heavy imports (transformers) happen only inside the subcommand that needs them, so
+``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+EXAMPLES_GENERATE = """examples:
+  sglang-graft generate --target tiny --draft tiny --prompt 'def fib(n):'          # seconds, no download
+  python scripts/fetch_cpu_models.py          # real Qwen2.5-Coder pair; prints {"target": ..., "draft": ...}
+  sglang-graft generate --target TARGET --draft DRAFT --dtype bfloat16 --prompt 'Write quicksort in Python.'
+next step: compare every policy with `sglang-graft bench --help`."""
+
+EXAMPLES_BENCH = """results:
+  DIR/results.json  {"meta": {...}, "policies": {NAME: {"overall": BLOCK, "categories": {CAT: BLOCK}}}}
+                    BLOCK = tau, draft_forwards_per_round, verify_tokens_per_round, tokens_per_s,
+                    speedup_vs_ar, accepted_share_by_source, identical_to_ar (share of prompts equal
+                    to ar token for token), divergences ([{question_id, position, ar_top2_margin,
+                    near_tie}])
+  DIR/results.md    the same as tables;  DIR/pareto.png  speedup vs tau per policy
+example (the README's headline run, about 1.5 hours on 2 CPU threads):
+  sglang-graft bench --target TARGET --draft DRAFT --questions spec_bench_question.jsonl \\
+      --per-category 3 --max-new-tokens 128 --dtype bfloat16 --threads 2 --out bench-out"""
+
+
+def _positive(kind: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{kind} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``generate`` and ``bench``."""
+    p.add_argument("--target", required=True, help="target model folder (transformers format), or 'tiny'")
+    p.add_argument("--draft", help="draft model folder with the target's tokenizer, or 'tiny' (not needed by ar/retrieval)")
+    p.add_argument("--num-nodes", type=int, default=8, help="verify budget n: tree nodes incl. the root (default 8)")
+    p.add_argument("--draft-depth", type=int, default=4, help="most draft levels per round (default 4)")
+    p.add_argument("--draft-topk", type=int, default=4, help="children per expanded draft node (default 4)")
+    p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16", "float64"), default=None,
+                   help="model dtype (default: float32 for tiny models and on CPUs without native bf16 "
+                        "matmul, where a multi-token bf16 forward costs about as much as one forward per token; "
+                        "else bfloat16)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--no-chat-template", action="store_true", help="encode prompts as raw text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sglang_graft.engine.config import ENGINE_POLICIES
+
+    parser = argparse.ArgumentParser(
+        prog="sglang-graft",
+        description="Graft: prune-then-graft speculative decoding. Start with `sglang-graft generate --help`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{generate,bench,serve}")
+    sub.required = True
+
+    g = sub.add_parser(
+        "generate",
+        help="decode prompts on the reference engine (CPU or CUDA)",
+        description="Decode prompts with one policy; prints each text and a one-line summary.",
+        epilog=EXAMPLES_GENERATE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _engine_options(g)
+    g.add_argument("--policy", choices=ENGINE_POLICIES, default="graft", help="decoding policy (default graft)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", metavar="FILE", help="prompts, one per line (or JSON lines with 'prompt'); decoded as one batch")
+    g.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true",
+                   help="end stdout with one JSON line: policy, token_ids, text (lists with several prompts), tau, tokens_per_s, ...")
+
+    b = sub.add_parser(
+        "bench",
+        help="every policy and transformers' baselines side by side",
+        description="Spec-Bench first turns (chat template applied), all methods in one process, interleaved per prompt.",
+        epilog=EXAMPLES_BENCH,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _engine_options(b)
+    b.add_argument("--questions", required=True, metavar="FILE", help="Spec-Bench question.jsonl")
+    b.add_argument("--policies", default="ar,dense,pruned,retrieval,graft,hf-assisted,hf-pld",
+                   help="comma-separated methods (ar required; hf-assisted, hf-pld are transformers' baselines)")
+    b.add_argument("--per-category", type=_positive("--per-category"), default=3, help="questions per category (default 3)")
+    b.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=128)
+    b.add_argument("--tie-margin", type=float, default=None,
+                   help="largest ar top-2 logit margin counted as a numeric near-tie (default by dtype)")
+    b.add_argument("--out", required=True, metavar="DIR", help="output folder")
+
+    s = sub.add_parser(
+        "serve",
+        help="start SGLang's server with Graft (GPU host); extra arguments go to sglang.launch_server",
+        description="Start SGLang with --speculative-algorithm GRAFT; all other arguments pass through.",
+    )
+    s.add_argument("args", nargs=argparse.REMAINDER, help="SGLang server arguments, e.g. --model-path MODEL")
+    return parser
+
+
+def _engine_config(args: argparse.Namespace, policy: str):
+    from sglang_graft.engine.config import EngineConfig
+    from sglang_graft.prune import GateConfig
+
+    return EngineConfig(
+        policy=policy,
+        num_nodes=args.num_nodes,
+        draft_depth=args.draft_depth,
+        draft_topk=args.draft_topk,
+        gates=GateConfig(mode=args.gates),
+    )
+
+
+def default_dtype(target: str, device: str) -> str:
+    """float32 for tiny models and CPUs lacking native bf16 GEMM (AVX2-only hosts), else bfloat16."""
+    import torch
+
+    if target == "tiny":
+        return "float32"
+    if device.startswith("cpu") and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "float32"
+    return "bfloat16"
+
+
+def _setup(args: argparse.Namespace, needs_draft: bool):
+    """Threads, dtype and the model pair (validated before loading)."""
+    import torch
+
+    from sglang_graft.engine.models import prepare_pair
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if needs_draft and args.draft is None:
+        raise ValueError("this policy needs --draft PATH (a model with the target's tokenizer, or 'tiny')")
+    dtype = args.dtype or default_dtype(args.target, args.device)
+    return prepare_pair(args.target, args.draft, dtype=dtype, device=args.device), dtype
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sglang_graft.engine.config import SamplingConfig
+    from sglang_graft.engine.decoder import SpecEngine
+    from sglang_graft.engine.outputs import Totals
+    from sglang_graft.engine.prompts import encode_prompt, read_prompt_file
+
+    config = _engine_config(args, args.policy)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    texts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompts)
+    pair, _ = _setup(args, config.uses_draft)
+    prompts = [encode_prompt(pair.tokenizer, t, chat=not args.no_chat_template) for t in texts]
+    engine = SpecEngine(pair.target, pair.draft, config, stop_token_ids=pair.stop_token_ids)
+    engine.check_prompts(prompts, args.max_new_tokens)
+    out = engine.generate(prompts, args.max_new_tokens, sampling, seed=args.seed, progress=sys.stderr.isatty())
+    totals = Totals()
+    decoded = []
+    for r in out.requests:
+        totals.add(r, 0.0)
+        decoded.append(pair.tokenizer.decode(r.token_ids, skip_special_tokens=True))
+    totals.seconds = out.elapsed_s
+    for i, text in enumerate(decoded):
+        if len(decoded) > 1:
+            print(f"--- [{i}]")
+        print(text)
+    s = totals.summary()
+    shares = ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["accepted_share_by_source"].items() if v > 0) or "none"
+    print(
+        f"[{args.policy}] tau={s['tau']:.2f} tokens/s={s['tokens_per_s']:.2f} tokens={s['tokens']} "
+        f"rounds={s['rounds']} draft_forwards/round={s['draft_forwards_per_round']:.2f} "
+        f"verify_tokens/round={s['verify_tokens_per_round']:.1f} accepted by source: {shares}"
+    )
+    if args.json:
+        single = len(out.requests) == 1
+        ids = [r.token_ids for r in out.requests]
+        record = {
+            "policy": args.policy,
+            "token_ids": ids[0] if single else ids,
+            "text": decoded[0] if single else decoded,
+            "tau": s["tau"],
+            "tokens_per_s": s["tokens_per_s"],
+            "tokens": s["tokens"],
+            "rounds": s["rounds"],
+            "seconds": out.elapsed_s,
+            "draft_forwards_per_round": s["draft_forwards_per_round"],
+            "verify_tokens_per_round": s["verify_tokens_per_round"],
+            "accepted_share_by_source": s["accepted_share_by_source"],
+            "finish_reason": [r.finish_reason for r in out.requests],
+        }
+        print(json.dumps(record))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from sglang_graft.engine.bench import TIE_MARGINS, BenchSettings, bench_meta, run_bench, summarise
+    from sglang_graft.engine.prompts import load_questions
+    from sglang_graft.engine.report import write_results
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # assisted generation warns about its own internal call
+    methods = tuple(m.strip() for m in args.policies.split(",") if m.strip())
+    engine_config = _engine_config(args, "graft")
+    dtype_guess = args.dtype or default_dtype(args.target, args.device)
+    tie = args.tie_margin if args.tie_margin is not None else TIE_MARGINS[dtype_guess]
+    settings = BenchSettings(methods, args.max_new_tokens, engine_config, tie)
+    questions = load_questions(args.questions, args.per_category)
+    needs_draft = any(m in ("dense", "pruned", "graft", "hf-assisted") for m in methods)
+    pair, dtype = _setup(args, needs_draft)
+    start = time.perf_counter()
+    run = run_bench(pair, questions, settings, chat=not args.no_chat_template, progress=True)
+    results = summarise(run, bench_meta(pair, settings, args.questions, dtype))
+    results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
+    paths = write_results(results, args.out)
+    with open(paths[1], encoding="utf-8") as f:
+        print(f.read())
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from sglang_graft.serve import ServeUnavailable, serve
+
+    try:
+        serve(args.args)
+    except ServeUnavailable as exc:
+        print(f"sglang-graft serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv[1:2]):
+        # Everything after ``serve`` belongs to SGLang, options included.
+        args = argparse.Namespace(command="serve", args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
+    handler = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command]
+    try:
+        return handler(args)
+    except ValueError as exc:
+        print(f"sglang-graft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

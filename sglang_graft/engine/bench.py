@@ -1,0 +1,208 @@
+"""The benchmark: every policy and both transformers baselines, side by side, in one process.
+
+Prompts are the outer loop and methods the inner one (their order rotating from prompt
+to prompt), so machine drift over the run hits every method alike; figures are ratios of
+sums measured in this one run. Each method is warmed up first on throwaway state.
+
+Losslessness is part of the result: for every method, the share of prompts whose greedy
+output equals ``ar`` token for token, and for each prompt that differs the first
+differing position with the target's top-2 logit margin there in the ``ar`` run. A
+divergence whose margin is at most ``tie_margin`` is a numeric near-tie (see README);
+anything else is a bug.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from sglang_graft.engine.baselines import BASELINES, HFBaseline
+from sglang_graft.engine.config import ENGINE_POLICIES, EngineConfig
+from sglang_graft.engine.decoder import SpecEngine
+from sglang_graft.engine.models import ModelPair
+from sglang_graft.engine.outputs import RequestOutput, Totals
+from sglang_graft.engine.prompts import Question, encode_prompt
+
+#: Default near-tie bound per dtype, in logits (see README, "Numerics").
+TIE_MARGINS = {"bfloat16": 0.5, "float16": 0.1, "float32": 1e-3, "float64": 1e-9}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    methods: tuple[str, ...]
+    max_new_tokens: int
+    engine: EngineConfig  # tree settings shared by every speculative policy (its policy is ignored)
+    tie_margin: float
+
+    def __post_init__(self) -> None:
+        valid = (*ENGINE_POLICIES, *BASELINES)
+        bad = [m for m in self.methods if m not in valid]
+        if bad:
+            raise ValueError(f"unknown policies {bad}; valid: {', '.join(valid)}")
+        if "ar" not in self.methods:
+            raise ValueError("the benchmark needs the 'ar' policy: every speedup and identity is relative to it")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"policies listed twice: {list(self.methods)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.tie_margin < 0:
+            raise ValueError(f"tie margin must be >= 0, got {self.tie_margin}")
+
+
+@dataclass
+class Record:
+    """One method on one prompt."""
+
+    question: Question
+    output: RequestOutput
+    seconds: float
+
+
+@dataclass
+class BenchRun:
+    settings: BenchSettings
+    records: dict[str, list[Record]] = field(default_factory=dict)
+    retrieval_stats: dict[str, object] = field(default_factory=dict)
+
+
+class _Method:
+    """A uniform ``run(prompt) -> (output, seconds)`` over engines and baselines."""
+
+    def __init__(self, name: str, pair: ModelPair, settings: BenchSettings) -> None:
+        self.name = name
+        if name in BASELINES:
+            self.baseline: HFBaseline | None = HFBaseline(name, pair.target, pair.draft, pair.stop_token_ids)
+            self.engine: SpecEngine | None = None
+        else:
+            self.baseline = None
+            config = EngineConfig(
+                policy=name,
+                num_nodes=settings.engine.num_nodes,
+                draft_depth=settings.engine.draft_depth,
+                draft_topk=settings.engine.draft_topk,
+                gates=settings.engine.gates,
+            )
+            self.engine = SpecEngine(pair.target, pair.draft, config, stop_token_ids=pair.stop_token_ids)
+
+    def run(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[RequestOutput, float]:
+        if self.baseline is not None:
+            return self.baseline.generate(prompt, max_new_tokens)
+        assert self.engine is not None
+        out = self.engine.generate([prompt], max_new_tokens)
+        return out.requests[0], out.elapsed_s
+
+
+def run_bench(
+    pair: ModelPair,
+    questions: Sequence[Question],
+    settings: BenchSettings,
+    chat: bool = True,
+    progress: bool = True,
+) -> BenchRun:
+    """Run every method on every question (first turn), interleaved per prompt."""
+    prompts = [encode_prompt(pair.tokenizer, q.text, chat) for q in questions]
+    warm = [_Method(m, pair, settings) for m in settings.methods]
+    for m in warm:
+        m.run(prompts[0], min(8, settings.max_new_tokens))
+    methods = [_Method(m, pair, settings) for m in settings.methods]
+    run = BenchRun(settings, {m.name: [] for m in methods})
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
+    for i, (q, p) in enumerate(zip(questions, prompts)):
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        for m in order:
+            bar.set_postfix_str(f"{q.category}/{q.question_id} {m.name}")
+            out, seconds = m.run(p, settings.max_new_tokens)
+            run.records[m.name].append(Record(q, out, seconds))
+            bar.update(1)
+    bar.close()
+    for m in methods:
+        if m.engine is not None and m.engine.retriever is not None:
+            run.retrieval_stats[m.name] = m.engine.retriever.stats()
+    return run
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarise(run: BenchRun, meta: dict[str, object]) -> dict[str, object]:
+    """The ``results.json`` object (see the CLI's ``bench --help``)."""
+    ar = {r.question.question_id: r for r in run.records["ar"]}
+    categories = list(dict.fromkeys(r.question.category for r in run.records["ar"]))
+    blocks: dict[str, dict[str, object]] = {}
+    for name, records in run.records.items():
+        groups: dict[str, list[Record]] = {"overall": records}
+        for c in categories:
+            groups[c] = [r for r in records if r.question.category == c]
+        out: dict[str, object] = {}
+        for gname, recs in groups.items():
+            out[gname] = _block(recs, ar, run.settings.tie_margin)
+        blocks[name] = out
+    for name, out in blocks.items():
+        for gname, block in out.items():
+            base = blocks["ar"][gname]["tokens_per_s"]
+            block["speedup_vs_ar"] = block["tokens_per_s"] / base if base else 0.0
+    return {
+        "meta": meta,
+        "policies": {
+            name: {"overall": out["overall"], "categories": {c: out[c] for c in categories}}
+            for name, out in blocks.items()
+        },
+        "retrieval_stats": run.retrieval_stats,
+    }
+
+
+def _block(records: Sequence[Record], ar: dict[str, Record], tie_margin: float) -> dict[str, object]:
+    totals = Totals()
+    identical = 0
+    divergences = []
+    for r in records:
+        totals.add(r.output, r.seconds)
+        ref = ar[r.question.question_id].output
+        pos = _first_difference(r.output.token_ids, ref.token_ids)
+        if pos is None:
+            identical += 1
+            continue
+        margin = ref.margins[pos] if pos < len(ref.margins) else None
+        divergences.append(
+            {
+                "question_id": r.question.question_id,
+                "category": r.question.category,
+                "position": pos,
+                "ar_top2_margin": margin,
+                "near_tie": margin is not None and margin <= tie_margin,
+            }
+        )
+    block = totals.summary()
+    block["prompts"] = len(records)
+    block["identical_to_ar"] = identical / len(records) if records else 0.0
+    block["divergences"] = divergences
+    return block
+
+
+def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dtype: str) -> dict[str, object]:
+    """What the numbers were measured on, stored with them."""
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "questions": questions_path,
+        "methods": list(settings.methods),
+        "max_new_tokens": settings.max_new_tokens,
+        "num_nodes": settings.engine.num_nodes,
+        "draft_depth": settings.engine.draft_depth,
+        "draft_topk": settings.engine.draft_topk,
+        "gates": settings.engine.gates.mode,
+        "dtype": dtype,
+        "tie_margin": settings.tie_margin,
+        "threads": torch.get_num_threads(),
+        "device": str(next(pair.target.parameters()).device),
+        "target": type(pair.target).__name__,
+        "target_params": sum(p.numel() for p in pair.target.parameters()),
+        "draft_params": sum(p.numel() for p in pair.draft.parameters()) if pair.draft is not None else 0,
+    }

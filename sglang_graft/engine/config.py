@@ -1,0 +1,75 @@
+"""Settings of the reference engine, validated before any model is touched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang_graft.prune import GateConfig
+from sglang_graft.scheduler import POLICIES, SchedulerConfig
+
+#: ``ar`` is plain decoding (one token per target forward); the rest are scheduler policies.
+ENGINE_POLICIES: tuple[str, ...] = ("ar", *POLICIES)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One policy's decoding settings.
+
+    Attributes:
+        policy: one of ``ENGINE_POLICIES``.
+        num_nodes: verify budget ``n`` (tree nodes incl. the root) of every speculative policy.
+        draft_depth: most draft levels per round.
+        draft_topk: children per expanded draft node and nodes expanded per level.
+        gates: confidence gates of ``pruned`` and ``graft``.
+    """
+
+    policy: str = "graft"
+    num_nodes: int = 8
+    draft_depth: int = 4
+    draft_topk: int = 4
+    gates: GateConfig = field(default_factory=GateConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ENGINE_POLICIES:
+            raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {self.policy!r}")
+        if self.num_nodes < 2:
+            raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {self.num_nodes}")
+        if self.draft_depth < 1:
+            raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
+        if self.draft_topk < 1:
+            raise ValueError(f"draft_topk must be >= 1, got {self.draft_topk}")
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.policy in ("dense", "pruned", "graft")
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return self.policy in ("retrieval", "graft")
+
+    def scheduler_config(self) -> SchedulerConfig | None:
+        """The scheduler settings of a speculative policy (None for ``ar``)."""
+        if self.policy == "ar":
+            return None
+        return SchedulerConfig(policy=self.policy, num_nodes=self.num_nodes, gates=self.gates)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Greedy when ``temperature == 0``, else sampling with optional top-p / top-k."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

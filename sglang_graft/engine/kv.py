@@ -1,0 +1,164 @@
+"""A batched, left-padded KV cache that speculative rounds can grow and compact.
+
+Requests of a batch hold different numbers of verified tokens, and every round each one
+keeps a different number of the tree nodes it just verified. Rather than one cache per
+request, the whole batch shares one transformers ``DynamicCache`` laid out left-padded:
+row ``b``'s real tokens occupy the last ``lengths[b]`` columns, ``valid[b]`` marks them,
+and every forward masks the padding out with an explicit 4D attention mask. Position ids
+are passed explicitly, so padding never shifts a token's rotary position.
+
+After a forward appended a block (a causal chunk, a draft level, a verify tree), ``compact``
+keeps only the columns the caller names, re-packs every row right-aligned with one
+batched gather per layer, and skips the leading columns that do not move (with one
+request, or when all rows kept the same count, that is the whole old cache, so only the
+new tail is touched).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class PaddedKV:
+    """The KV cache of one model for one batch of requests.
+
+    Attributes:
+        cache: the ``DynamicCache`` handed to the model (full-attention layers only).
+        valid: ``[bs, L]`` bool, True on columns that hold a real token of that row.
+        lengths: ``[bs]`` int64 real tokens per row, i.e. the next position id.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str) -> None:
+        self.cache = DynamicCache()
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    def forward(
+        self,
+        model: torch.nn.Module,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        block_mask: torch.Tensor,
+        prefix_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Run ``model`` on a block of ``q`` new tokens per row and append their KV.
+
+        Args:
+            tokens: ``[bs, q]`` token ids.
+            positions: ``[bs, q]`` position ids.
+            block_mask: ``[bs, q, q]`` bool, which block tokens each block token sees.
+            prefix_mask: ``[bs, q, L]`` bool over the cached columns (default: ``valid``).
+            logits_to_keep: return logits for only the last that many tokens (0: all).
+
+        The appended columns are marked invalid: the caller decides what survives through
+        ``compact`` or ``commit``.
+        """
+        bs, q = tokens.shape
+        if prefix_mask is None:
+            prefix_mask = self.valid.unsqueeze(1).expand(bs, q, self.width)
+        diag = torch.eye(q, dtype=torch.bool, device=tokens.device)
+        allowed = torch.cat([prefix_mask, block_mask | diag], dim=2)
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        out = model(
+            input_ids=tokens,
+            attention_mask=mask.unsqueeze(1),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        self.valid = torch.cat([self.valid, torch.zeros(bs, q, dtype=torch.bool, device=tokens.device)], dim=1)
+        return out.logits
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Keep exactly the columns ``keep`` ``[bs, L]`` (old valid ones and chosen new ones).
+
+        Columns must be kept in order; the cache is re-packed right-aligned.
+        """
+        if keep.shape != self.valid.shape:
+            raise ValueError(f"keep mask has shape {tuple(keep.shape)}, cache is {tuple(self.valid.shape)}")
+        counts = keep.sum(dim=1)
+        self.lengths = counts
+        if bool(keep.all()):
+            self.valid = keep.clone()
+            return
+        bs, width = keep.shape
+        new_width = int(counts.max()) if bs else 0
+        rank = keep.long().cumsum(dim=1) - 1
+        dest = rank + (new_width - counts).unsqueeze(1)
+        src = torch.arange(width, device=keep.device).expand(bs, width)
+        index = torch.zeros(bs, new_width + 1, dtype=torch.int64, device=keep.device)
+        index.scatter_(1, torch.where(keep, dest, new_width), src)
+        index = index[:, :new_width]
+        cols = torch.arange(new_width, device=keep.device)
+        self.valid = cols.unsqueeze(0) >= (new_width - counts).unsqueeze(1)
+        # Padding columns point at column 0 and are masked; leading columns that map to
+        # themselves in every row need no copy.
+        moved = ((index != cols) & self.valid).any(dim=0)
+        still = int(moved.long().argmax()) if bool(moved.any()) else new_width
+        self._gather(index[:, still:], still)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the requests ``rows`` (``[k]`` int64), then drop shared left padding."""
+        self.valid = self.valid[rows]
+        self.lengths = self.lengths[rows]
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys = layer.keys[rows]
+                layer.values = layer.values[rows]
+        if self.valid.shape[0] == 0 or self.width == 0:
+            return
+        pad = int((self.width - self.lengths).min())
+        if pad > 0:
+            self.valid = self.valid[:, pad:]
+            for layer in self.cache.layers:
+                if layer.is_initialized and layer.keys.numel():
+                    layer.keys = layer.keys[:, :, pad:]
+                    layer.values = layer.values[:, :, pad:]
+
+    def _gather(self, index: torch.Tensor, start: int) -> None:
+        """Layer by layer: columns ``[0, start)`` stay, the rest become ``index``'s columns."""
+        bs, w = index.shape
+        for layer in self.cache.layers:
+            if not layer.is_initialized or layer.keys.numel() == 0:
+                continue
+            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+            idx = index.view(bs, 1, w, 1).expand(bs, heads, w, dim)
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.gather(2, idx)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values.gather(2, idx)], dim=2)
+
+
+def causal_block(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets and block mask for a left-padded causal chunk.
+
+    Args:
+        valid: ``[bs, q]`` bool, True on real tokens (padding on the left).
+
+    Returns:
+        ``offsets`` ``[bs, q]`` int64 (0 for the first real token; padding gets 0) and
+        ``block_mask`` ``[bs, q, q]`` bool (causal, real columns only).
+    """
+    q = valid.shape[1]
+    causal = torch.ones(q, q, dtype=torch.bool, device=valid.device).tril()
+    offsets = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+    return offsets, causal.unsqueeze(0) & valid.unsqueeze(1)
+
+
+def left_pad(rows: list[list[int]], pad: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[bs, q]`` token tensor and validity mask from ragged lists, padded on the left."""
+    width = max((len(r) for r in rows), default=0)
+    tokens = torch.full((len(rows), width), pad, dtype=torch.int64)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if r:
+            tokens[b, width - len(r) :] = torch.tensor(r, dtype=torch.int64)
+            valid[b, width - len(r) :] = True
+    return tokens.to(device), valid.to(device)

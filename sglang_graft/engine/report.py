@@ -1,0 +1,96 @@
+"""Writing a benchmark's results: ``results.json``, ``results.md`` and ``pareto.png``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from sglang_graft.engine.outputs import PROPOSAL_SOURCES
+
+
+def write_results(results: dict[str, object], out_dir: str) -> list[str]:
+    """Write the three files into ``out_dir`` (created if needed); returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, name) for name in ("results.json", "results.md", "pareto.png")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write(markdown(results))
+    pareto_plot(results, paths[2])
+    return paths
+
+
+def _sources(share: dict[str, float]) -> str:
+    parts = [f"{k} {100 * share[k]:.0f}%" for k in PROPOSAL_SOURCES if share.get(k, 0.0) >= 0.005]
+    return ", ".join(parts) or "-"
+
+
+def _divergence_note(block: dict) -> str:
+    divs = block["divergences"]
+    if not divs:
+        return "all identical"
+    ties = sum(1 for d in divs if d["near_tie"])
+    margins = ", ".join(f"{d['ar_top2_margin']:.3g}" if d["ar_top2_margin"] is not None else "n/a" for d in divs)
+    return f"{len(divs)} differ ({ties} near-ties; margins {margins})"
+
+
+def markdown(results: dict) -> str:
+    """The overall table, then speedup per category, then divergences."""
+    meta = results["meta"]
+    pol = results["policies"]
+    lines = [
+        f"# Benchmark {meta['date']}",
+        "",
+        f"{meta['target']} ({meta['target_params'] / 1e9:.2f}B) + draft ({meta['draft_params'] / 1e9:.2f}B), "
+        f"{meta['dtype']}, {meta['threads']} threads on {meta['device']}; {meta['max_new_tokens']} new tokens; "
+        f"n={meta['num_nodes']}, draft depth {meta['draft_depth']}, topk {meta['draft_topk']}, gates {meta['gates']}; "
+        f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
+        "",
+        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | identical to ar | accepted by source |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in pol.items():
+        o = p["overall"]
+        lines.append(
+            f"| {name} | {o['tau']:.2f} | {o['draft_forwards_per_round']:.2f} | {o['verify_tokens_per_round']:.1f} | "
+            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {100 * o['identical_to_ar']:.0f}% | "
+            f"{_sources(o['accepted_share_by_source'])} |"
+        )
+    cats = list(next(iter(pol.values()))["categories"])
+    lines += ["", "Speedup over `ar` (tau) per category:", "", "| policy | " + " | ".join(cats) + " |"]
+    lines.append("|---|" + "---|" * len(cats))
+    for name, p in pol.items():
+        cells = [f"{p['categories'][c]['speedup_vs_ar']:.2f}x ({p['categories'][c]['tau']:.2f})" for c in cats]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Divergences from `ar` (first differing position, `ar`'s top-2 logit margin there):", ""]
+    for name, p in pol.items():
+        if name != "ar":
+            lines.append(f"- {name}: {_divergence_note(p['overall'])}")
+    return "\n".join(lines) + "\n"
+
+
+def pareto_plot(results: dict, path: str) -> None:
+    """Speedup over ``ar`` against tau: one marker per policy overall, small ones per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for i, (name, p) in enumerate(results["policies"].items()):
+        color = f"C{i % 10}"
+        cats = p["categories"].values()
+        ax.scatter([c["tau"] for c in cats], [c["speedup_vs_ar"] for c in cats], s=12, alpha=0.35, color=color)
+        o = p["overall"]
+        ax.scatter([o["tau"]], [o["speedup_vs_ar"]], s=70, color=color, edgecolors="black", label=name)
+        ax.annotate(name, (o["tau"], o["speedup_vs_ar"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("tau (tokens per target forward)")
+    ax.set_ylabel("speedup over ar (tokens/s)")
+    ax.set_title("Speed vs acceptance (large: overall, small: per category)")
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,123 @@
+"""The ``sglang-graft`` command: help, generate (text, JSON, errors) and bench on tiny models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_graft.cli import main
+
+TINY = ["--target", "tiny", "--draft", "tiny"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _json_line(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_help_shows_the_next_step():
+    proc = subprocess.run([sys.executable, "-m", "sglang_graft.cli", "generate", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "--target tiny --draft tiny" in proc.stdout
+    assert "sglang-graft bench --help" in proc.stdout
+    for cmd in ("bench", "serve"):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+
+
+def test_generate_json_is_lossless_across_policies(capsys):
+    ids = {}
+    for policy in ("ar", "dense", "graft", "retrieval"):
+        rc = main(["generate", *TINY, "--policy", policy, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json"])
+        assert rc == 0
+        out = capsys.readouterr().out
+        record = _json_line(out)
+        assert record["policy"] == policy
+        assert {"token_ids", "text", "tau", "tokens_per_s"} <= record.keys()
+        assert len(record["token_ids"]) == 24 and record["tokens_per_s"] > 0
+        assert f"[{policy}] tau=" in out
+        ids[policy] = record["token_ids"]
+    assert ids["dense"] == ids["ar"] == ids["graft"] == ids["retrieval"]
+
+
+def test_generate_batch_from_file(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond\n" + json.dumps({"prompt": "third one"}) + "\n")
+    rc = main(["generate", *TINY, "--prompts", str(prompts), "--max-new-tokens", "6", "--json",
+               "--temperature", "0.8", "--seed", "3"])
+    assert rc == 0
+    record = _json_line(capsys.readouterr().out)
+    assert len(record["token_ids"]) == 3 and all(len(t) == 6 for t in record["token_ids"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-nodes", "1"], "num_nodes (verify budget n) must be >= 2, got 1"),
+        (["--policy", "dense", "--draft", "/no/such/dir"], "--draft '/no/such/dir': not a directory"),
+        (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+    ],
+)
+def test_generate_errors(argv, message, capsys):
+    base = ["generate", "--target", "tiny", "--draft", "tiny", "--prompt", "x"]
+    if "--draft" in argv:
+        base = ["generate", "--target", "tiny", "--prompt", "x"]
+    assert main(base + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_needs_a_draft_for_draft_policies(capsys):
+    assert main(["generate", "--target", "tiny", "--prompt", "x", "--policy", "graft"]) == 2
+    assert "needs --draft" in capsys.readouterr().err
+    assert main(["generate", "--target", "tiny", "--prompt", "x", "--policy", "ar", "--max-new-tokens", "3"]) == 0
+
+
+def test_bench_writes_results(tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a poem about the sea."]},
+        {"question_id": 2, "category": "coding", "turns": ["def add(a, b):"]},
+        {"question_id": 3, "category": "rag", "turns": ["The cat sat. The cat sat. The cat"]},
+        {"question_id": 4, "category": "rag", "turns": ["skipped by --per-category 1"]},
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    policies = "ar,dense,pruned,retrieval,graft,hf-assisted,hf-pld"
+    rc = main(["bench", *TINY, "--questions", str(questions), "--policies", policies, "--per-category", "1",
+               "--max-new-tokens", "10", "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["policies"]) == set(policies.split(","))
+    for name, p in results["policies"].items():
+        assert set(p["categories"]) == {"mt_bench", "rag"}
+        o = p["overall"]
+        for key in ("tau", "draft_forwards_per_round", "verify_tokens_per_round", "tokens_per_s",
+                    "speedup_vs_ar", "accepted_share_by_source", "identical_to_ar", "divergences"):
+            assert key in o
+        assert o["prompts"] == 2
+        if name in ("dense", "pruned", "retrieval", "graft"):
+            assert o["identical_to_ar"] == 1.0 and o["divergences"] == []
+    assert results["policies"]["ar"]["overall"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert results["policies"]["ar"]["overall"]["tau"] == pytest.approx(1.0)
+    assert results["policies"]["retrieval"]["overall"]["draft_forwards_per_round"] == 0
+    assert results["policies"]["hf-assisted"]["overall"]["draft_forwards_per_round"] > 0
+    assert "| graft |" in (out / "results.md").read_text()
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_unknown_policy_before_loading(tmp_path, capsys):
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hi"]}) + "\n")
+    rc = main(["bench", "--target", "/nowhere", "--questions", str(q), "--policies", "ar,eagle9", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "unknown policies ['eagle9']" in capsys.readouterr().err

@@ -1,0 +1,84 @@
+"""KV compaction: after verify rounds, the caches hold exactly the accepted sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
+
+PROMPTS = [[4, 5, 6, 7, 8, 9, 4, 5, 6], [20, 21], [30, 31, 32, 33, 34]]
+
+
+@pytest.fixture(scope="module")
+def pair64():
+    torch.set_num_threads(1)
+    return tiny_models("qwen3", vocab_size=150, seed=5, hidden=32, dtype=torch.float64)
+
+
+def _next_logits(model, kv: PaddedKV, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Feed a left-padded block through the cache and return the last column's logits."""
+    offsets, block = causal_block(valid)
+    logits = kv.forward(model, tokens, kv.lengths.unsqueeze(1) + offsets, block)
+    return logits[:, -1]
+
+
+@pytest.mark.parametrize("policy", ["dense", "graft"])
+def test_compacted_caches_equal_a_fresh_forward(pair64, policy):
+    target, draft = pair64
+    engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=6, draft_depth=3, draft_topk=2))
+    run = engine.start(PROMPTS, max_new_tokens=40)
+    for _ in range(4):
+        run.round()
+    assert len(run.rows) == 3
+    sequences = [PROMPTS[r] + run.outputs[r].token_ids for r in run.rows]
+    assert sum(len(run.outputs[r].token_ids) for r in run.rows) > 3 * 4, "no round accepted a proposal"
+    with torch.inference_mode():
+        # Target: every verified token but the root is cached; feeding the root must give
+        # the same logits as a cache-free forward over the whole sequence.
+        assert run.target_kv.lengths.tolist() == [len(s) - 1 for s in sequences]
+        roots, root_valid = left_pad([s[-1:] for s in sequences], 0, "cpu")
+        cached = _next_logits(target, run.target_kv, roots, root_valid)
+        # Draft: it has read everything but the pending tokens (which end at the root).
+        pending = run.pending_valid.sum(dim=1)
+        assert run.drafter.kv.lengths.tolist() == [len(s) - int(k) for s, k in zip(sequences, pending)]
+        draft_cached = _next_logits(draft, run.drafter.kv, run.pending, run.pending_valid)
+        for b, s in enumerate(sequences):
+            fresh = target(torch.tensor([s])).logits[0, -1]
+            torch.testing.assert_close(cached[b], fresh, rtol=0, atol=1e-9)
+            fresh_d = draft(torch.tensor([s])).logits[0, -1]
+            torch.testing.assert_close(draft_cached[b], fresh_d, rtol=0, atol=1e-9)
+
+
+def test_commit_repacks_rows_right_aligned():
+    kv = PaddedKV(2, "cpu")
+    layer_keys = torch.arange(2 * 5, dtype=torch.float64).view(2, 1, 5, 1)
+    kv.cache.update(layer_keys, layer_keys.clone(), 0)
+    kv.valid = torch.zeros(2, 5, dtype=torch.bool)
+    keep = torch.tensor([[True, False, True, True, False], [False, True, False, False, True]])
+    kv.commit(keep)
+    assert kv.lengths.tolist() == [3, 2]
+    assert kv.valid.tolist() == [[True, True, True], [False, True, True]]
+    keys = kv.cache.layers[0].keys[:, 0, :, 0]
+    assert keys[0].tolist() == [0.0, 2.0, 3.0]
+    assert keys[1, 1:].tolist() == [6.0, 9.0]
+    kv.select_rows(torch.tensor([1]))
+    assert kv.valid.tolist() == [[True, True]]
+    assert kv.cache.layers[0].keys[0, 0, :, 0].tolist() == [6.0, 9.0]
+
+
+def test_draft_reuses_the_kv_of_accepted_draft_nodes():
+    torch.set_num_threads(1)
+    target, draft = tiny_models("llama", vocab_size=200, seed=1, hidden=32)
+    reads: list[int] = []
+    handle = draft.register_forward_pre_hook(lambda m, a, k: reads.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        engine = SpecEngine(target, draft, EngineConfig(policy="dense", num_nodes=8, draft_depth=3, draft_topk=3))
+        out = engine.generate([[3, 1, 4, 1, 5, 9, 2, 6]], 30).requests[0]
+    finally:
+        handle.remove()
+    # Forwards per round: the newly verified tokens, then two tree levels of 3 nodes.
+    first_reads = reads[1::3]
+    assert len(first_reads) == out.rounds and out.tau > 2
+    assert sum(first_reads) < out.rounds * out.tau / 2, "accepted draft nodes were re-read instead of kept"
