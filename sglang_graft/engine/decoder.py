@@ -35,7 +35,7 @@ from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
 from sglang_graft.engine.outputs import BatchOutput, RequestOutput
 from sglang_graft.retrieval import Retriever, RetrieverConfig
 from sglang_graft.scheduler import GraftScheduler, accepted_mask_from_nodes
-from sglang_graft.tree import TokenTree, ancestor_mask, child_links
+from sglang_graft.tree import TokenTree, child_links
 from sglang_graft.verify import SampledVerify, greedy_accept, target_distribution, verify_tree_sampled
 
 #: Target top-k recorded per verified node for token recycling (and the top-2 margin).
@@ -195,7 +195,7 @@ class DecodeRun:
         """One target forward over the tree; returns the acceptance and the logits."""
         kv = self.target_kv
         positions = kv.lengths.unsqueeze(1) + tree.depths
-        logits = kv.forward(self.e.target, tree.tokens, positions, ancestor_mask(tree.parents))
+        logits = kv.forward(self.e.target, tree.tokens, positions, tree.ancestors)
         next_token, next_sibling = child_links(tree.parents)
         s = self.sampling
         if s.greedy:
