@@ -23,16 +23,22 @@ single best-first selection over the union:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from sglang_graft.candidates import Candidates, Source, concat_candidates
-from sglang_graft.tree import TokenTree, tree_from_selection
+from sglang_graft.tree import TokenTree, ancestor_mask, arange_cached
 
 _HASH_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant (golden ratio), as signed int64
 _HASH_BASE = 0x100000001B3  # odd multiplier for depth powers; products wrap modulo 2**64
+_HASH_BASE_INV = pow(_HASH_BASE, -1, 1 << 64)  # exists because the base is odd
+_INVALID = 1 << 32  # counts invalid nodes on a path in the high half of the depth counter
+_DEPTH_BITS = _INVALID - 1
+_DEAD_KEY = torch.iinfo(torch.int64).max  # sorts after every live key
 
 
 class PathSummary(NamedTuple):
@@ -45,28 +51,65 @@ class PathSummary(NamedTuple):
     path_hash: torch.Tensor  # [bs, m] int64 hash of the root-to-node token path
 
 
+class PathFacts(NamedTuple):
+    """``PathSummary`` without the ``[bs, m, m]`` ancestor matrix, which grafting never needs."""
+
+    depth: torch.Tensor
+    valid: torch.Tensor
+    min_score: torch.Tensor
+    path_hash: torch.Tensor
+
+
 def summarise_paths(c: Candidates) -> PathSummary:
-    """Path facts for every candidate, from the forest's ancestor matrix."""
+    """Path facts for every candidate, with the forest's ancestor matrix."""
     bs, m = c.tokens.shape
-    device = c.tokens.device
     if m == 0:
-        z = torch.zeros(bs, 0, dtype=torch.int64, device=device)
+        z = torch.zeros(bs, 0, dtype=torch.int64, device=c.tokens.device)
         return PathSummary(z.view(bs, 0, 0).bool(), z, z.bool(), z.float(), z)
-    eye = torch.eye(m, device=device).expand(bs, m, m)
-    step = torch.zeros(bs, m, m, device=device)
-    step.scatter_(2, c.parents.clamp(min=0).unsqueeze(2), (c.parents >= 0).float().unsqueeze(2))
-    reach = eye + step
-    for _ in range(math.ceil(math.log2(max(m, 2)))):
-        reach = torch.bmm(reach, reach).clamp_(max=1.0)
-    depth = reach.sum(dim=2)
-    invalid_above = torch.bmm(reach, (~c.valid).float().unsqueeze(2)).squeeze(2)
-    ancestors = reach > 0
-    min_score = torch.where(ancestors, c.scores.float().unsqueeze(1), 2.0).min(dim=2).values
-    depth = depth.long()
-    powers = torch.full((m + 1,), _HASH_BASE, dtype=torch.int64, device=device).cumprod(dim=0)
-    contrib = (c.tokens + 1) * _HASH_MIX * powers[depth.clamp(max=m)]
-    path_hash = (ancestors.long() * contrib.unsqueeze(1)).sum(dim=2)
-    return PathSummary(ancestors, depth, invalid_above == 0, min_score, path_hash)
+    return PathSummary(ancestor_mask(c.parents), *path_facts(c))
+
+
+def _signed64(x: int) -> int:
+    x %= 1 << 64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+@functools.lru_cache(maxsize=64)
+def _jump_weights(k: int, device: torch.device) -> torch.Tensor:
+    """``[1, 2, 1]`` int64 weights of the ``k``-th doubling step in ``path_facts``: counters add
+    as they are; a hash accumulated ``2**k`` levels further up is scaled by ``BASE**-(2**k)``."""
+    return torch.tensor([[[1], [_signed64(pow(_HASH_BASE_INV, 1 << k, 1 << 64))]]], device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_powers(size: int, device: torch.device) -> torch.Tensor:
+    """``BASE ** (d + 1)`` modulo ``2**64`` for ``d < size``."""
+    return torch.full((size,), _HASH_BASE, dtype=torch.int64, device=device).cumprod(dim=0)
+
+
+def path_facts(c: Candidates) -> PathFacts:
+    """Depth, validity, minimum score and token-path hash of every candidate's root path.
+
+    Pointer doubling over the parent links (``ceil(log2 m)`` rounds of a few ``[bs, m]``
+    gathers, no ``m x m`` matrix): each node accumulates the path segment of ``2**k`` nodes
+    above it, then jumps ``2**k`` levels. The hash is ``sum over the path of
+    (token + 1) * MIX * BASE**(depth + 1)`` modulo ``2**64``; since the depth is known only
+    at the end, the rounds accumulate ``BASE**-(distance)`` and multiply by ``BASE**(depth + 1)``
+    once (the base is odd, hence invertible modulo ``2**64``), which yields the same integer.
+    """
+    bs, m = c.tokens.shape
+    ptr = F.pad(c.parents.remainder(m + 1), (0, 1), value=m)  # -1 -> sentinel m, which points to itself
+    counter = torch.where(c.valid, 1, _INVALID + 1)  # depth in the low half, invalid nodes in the high
+    sums = F.pad(torch.stack([counter, (c.tokens + 1) * _HASH_MIX], dim=1), (0, 1))
+    mins = F.pad(c.scores.float(), (0, 1), value=2.0)
+    for k in range(math.ceil(math.log2(m)) if m > 1 else 0):
+        sums = torch.addcmul(sums, sums.gather(2, ptr.unsqueeze(1).expand(bs, 2, m + 1)), _jump_weights(k, ptr.device))
+        mins = torch.minimum(mins, mins.gather(1, ptr))
+        ptr = ptr.gather(1, ptr)
+    counter, acc = sums[:, 0, :m], sums[:, 1, :m]
+    depth = counter & _DEPTH_BITS
+    path_hash = acc * _hash_powers(m + 1, ptr.device)[depth.clamp(max=m)]
+    return PathFacts(depth, counter < _INVALID, mins[:, :m], path_hash)
 
 
 class GraftResult(NamedTuple):
@@ -88,74 +131,127 @@ def graft(root_tokens: torch.Tensor, proposals: list[Candidates], num_nodes: int
     if not proposals:
         raise ValueError("graft needs at least one Candidates (use Candidates.empty for none)")
     bs = root_tokens.shape[0]
-    device = root_tokens.device
     for c in proposals:
         if c.batch_size != bs:
             raise ValueError(f"proposals have batch size {c.batch_size}, root_tokens has {bs}")
-    slots = num_nodes - 1
-    filler = _filler_chain(root_tokens, slots)
     cands = concat_candidates(list(proposals))
     m = cands.width
     if m == 0:  # every source dry: the whole tree is filler
-        only_filler = torch.arange(slots, device=device).expand(bs, slots)
-        return GraftResult(tree_from_selection(root_tokens, filler, only_filler), torch.zeros(bs, dtype=torch.int64, device=device))
-    summary = summarise_paths(cands)
-
-    # Merge: canonical[i] = lowest live column with the same root path.
-    cols = torch.arange(m, device=device)
-    alive = summary.valid
-    same = summary.path_hash.unsqueeze(2) == summary.path_hash.unsqueeze(1)
-    same &= alive.unsqueeze(1) & alive.unsqueeze(2)
-    canonical = torch.where(same, cols.view(1, 1, m), m).min(dim=2).values.clamp(max=m - 1)
-    merged_score = torch.where(same, summary.min_score.unsqueeze(1), -1.0).max(dim=2).values
-    is_canonical = alive & (canonical == cols)
-    num_merged = (alive & ~is_canonical).sum(dim=1)
-    parent_canon = torch.where(cands.parents >= 0, canonical.gather(1, cands.parents.clamp(min=0)), -1)
-
-    # One unique integer key per column: score desc (float bits are monotone for
-    # non-negative floats), then depth asc, then column asc; dead columns last.
-    score_bits = merged_score.clamp(0.0, 1.0).float().view(torch.int32).long()
-    key = ((0x3F800000 - score_bits) << 24) | (summary.depth << 12) | cols
-    key = torch.where(is_canonical, key, torch.iinfo(torch.int64).max - m + cols)
-    real = torch.sort(key, dim=1).indices[:, : min(slots, m)]
-    num_real = is_canonical.sum(dim=1, keepdim=True)
-
-    merged = concat_candidates(
-        [
-            Candidates(
-                tokens=cands.tokens,
-                parents=parent_canon,
-                scores=merged_score.clamp(min=0.0),
-                sources=cands.sources,
-                valid=is_canonical,
-                bins=cands.bins,
-            ),
-            filler,
-        ]
-    )
-    # Slot k takes the k-th best real node while there are enough, else filler k - num_real.
-    k = torch.arange(slots, device=device).expand(bs, slots)
-    padded = torch.cat([real, torch.zeros(bs, slots - real.shape[1], dtype=torch.int64, device=device)], dim=1)
-    chosen = torch.where(k < num_real, padded, m + k - num_real)
-    return GraftResult(tree_from_selection(root_tokens, merged, torch.sort(chosen, dim=1).values), num_merged)
+        fillers = torch.ones(bs, num_nodes - 1, dtype=torch.int64, device=root_tokens.device)  # column m + 1
+        zero = torch.zeros(bs, dtype=torch.int64, device=root_tokens.device)
+        return GraftResult(_assemble_tree(root_tokens, cands, fillers, zero, cands.parents, cands.scores), zero)
+    facts = path_facts(cands)
+    canonical, merged_score = _merge_duplicates(facts)
+    is_canonical = facts.valid & (canonical == arange_cached(m, root_tokens.device))
+    num_merged = (facts.valid ^ is_canonical).sum(dim=1)
+    chosen, num_real = _select_best(merged_score, facts.depth, is_canonical, num_nodes - 1)
+    # Tree parent of a chosen node: its original parent's canonical column (+2, see
+    # _assemble_tree), or 1 for a child of the root.
+    parent_key = F.pad(canonical + 2, (1, 0), value=1).gather(1, cands.parents + 1)
+    scores = merged_score.clamp(min=0.0)
+    tree = _assemble_tree(root_tokens, cands, chosen, num_real, parent_key, scores)
+    return GraftResult(tree, num_merged)
 
 
-def _filler_chain(root_tokens: torch.Tensor, length: int) -> Candidates:
-    """A chain repeating the root token: the only guess left when every source is dry.
+def _merge_duplicates(facts: PathFacts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(canonical, merged_score)`` ``[bs, m]``: for each live column, the lowest live column
+    with the same path hash, and the best ``min_score`` among them (dead columns: meaningless).
 
-    Its parents are relative to the filler block itself (``concat_candidates`` shifts
-    them); it is used only for slots no real proposal wanted.
+    Sorting the hashes numbers the groups of equal paths; two scatter-reductions then give
+    each group's lowest live column and best score in ``O(m log m)``.
     """
-    bs = root_tokens.shape[0]
-    device = root_tokens.device
-    cols = torch.arange(length, device=device)
-    return Candidates(
-        tokens=root_tokens.long().view(bs, 1).expand(bs, length).clone(),
-        parents=(cols - 1).view(1, length).expand(bs, length).clone(),
-        scores=torch.zeros(bs, length, device=device),
-        sources=torch.full((bs, length), int(Source.FILLER), dtype=torch.int64, device=device),
-        valid=torch.ones(bs, length, dtype=torch.bool, device=device),
+    bs, m = facts.path_hash.shape
+    device = facts.path_hash.device
+    alive = facts.valid
+    sorted_hash, order = facts.path_hash.sort(dim=1)
+    new_group = F.pad(sorted_hash[:, 1:] != sorted_hash[:, :-1], (1, 0))
+    group = torch.empty_like(order).scatter_(1, order, new_group.cumsum(dim=1))
+    cols = arange_cached(m, device).expand(bs, m)
+    lowest = torch.full_like(order, m).scatter_reduce_(1, group, torch.where(alive, cols, m), "amin")
+    best = torch.full_like(facts.min_score, -1.0).scatter_reduce_(
+        1, group, torch.where(alive, facts.min_score, -1.0), "amax"
     )
+    return lowest.gather(1, group), best.gather(1, group)
+
+
+def _select_best(
+    merged_score: torch.Tensor, depth: torch.Tensor, is_canonical: torch.Tensor, slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chosen [bs, slots], num_real [bs])``: the columns of the best ``num_real`` live
+    canonical nodes in ascending order, then ``m + 1`` (a filler slot) for the rest.
+
+    One unique integer key per column: score desc (float bits are monotone for non-negative
+    floats), then depth asc, then column asc, in bit fields ``[score | depth:12 | column:12]``;
+    dead and duplicate columns last.
+    """
+    bs, m = merged_score.shape
+    cols = arange_cached(m, merged_score.device)
+    score_bits = merged_score.clamp(0.0, 1.0).float().view(torch.int32).long()
+    key = torch.add(cols + (0x3F800000 << 24), depth, alpha=1 << 12)
+    key = torch.where(is_canonical, torch.add(key, score_bits, alpha=-(1 << 24)), _DEAD_KEY)
+    top = key.topk(min(slots, m), dim=1, largest=False, sorted=False).indices
+    took = is_canonical.gather(1, top)
+    chosen = torch.where(took, top, m + 1).sort(dim=1).values
+    if slots > m:
+        chosen = F.pad(chosen, (0, slots - m), value=m + 1)
+    return chosen, took.sum(dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _templates(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sources and bins (``[1, 2, 2]``), and scores (``[1, 2]``), of the two extra columns
+    ``m`` (the root) and ``m + 1`` (filler) appended to the candidates in ``_assemble_tree``."""
+    ints = torch.tensor([[[int(Source.ROOT), int(Source.FILLER)], [0, 0]]], device=device)
+    return ints, torch.tensor([[1.0, 0.0]], device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _node_index(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, t - 1)`` for tree positions ``t < n``."""
+    t = torch.arange(n, device=device)
+    return t, t - 1
+
+
+def _assemble_tree(
+    root_tokens: torch.Tensor,
+    cands: Candidates,
+    chosen: torch.Tensor,
+    num_real: torch.Tensor,
+    parent_key: torch.Tensor,
+    scores: torch.Tensor,
+) -> TokenTree:
+    """The tree ``[root, chosen real columns ascending, filler chain]``.
+
+    Columns ``m`` and ``m + 1`` are appended as the root and filler templates, so one gather
+    per field builds every node. A chosen column's tree parent is the rank of its canonical
+    parent among the chosen ones (``parent_key`` is that column + 2, or 1 for the root):
+    a cumulative sum over a "chosen" mask whose entries 0, 1 stand for "none" and the root.
+    Filler node ``t`` hangs under ``t - 1``, the first one under the root.
+    """
+    bs, m = cands.tokens.shape
+    n = chosen.shape[1] + 1
+    device = chosen.device
+    index = F.pad(chosen, (1, 0), value=m)  # [bs, n]: the root template first
+    tmpl_ints, tmpl_scores = _templates(device)
+    ints = torch.cat(
+        [
+            torch.stack([cands.tokens, cands.sources, cands.bins], dim=1),
+            torch.cat([root_tokens.long().view(bs, 1, 1).expand(bs, 1, 2), tmpl_ints.expand(bs, 2, 2)], dim=1),
+        ],
+        dim=2,
+    ).gather(2, index.unsqueeze(1).expand(bs, 3, n))
+    node_scores = torch.cat([scores.float(), tmpl_scores.expand(bs, 2)], dim=1).gather(1, index)
+    # rank[k]: -1 for "none", 0 for the root, else the tree position of column k - 2.
+    chosen_mask = torch.zeros(bs, m + 4, dtype=torch.int64, device=device)
+    chosen_mask[:, 1] = 1
+    rank = chosen_mask.scatter_(1, chosen + 2, 1).cumsum(dim=1) - 1
+    key = F.pad(parent_key, (0, 2)).gather(1, index)  # the root template's key 0 means "none"
+    t, t_minus_1 = _node_index(n, device)
+    last_real = num_real.view(bs, 1)
+    filler_parent = torch.where(t_minus_1 > last_real, t_minus_1, 0)
+    parents = torch.where(t > last_real, filler_parent, rank.gather(1, key))
+    ancestors = ancestor_mask(parents)
+    return TokenTree(ints[:, 0], parents, ancestors.sum(dim=2) - 1, node_scores, ints[:, 1], ints[:, 2], ancestors)
 
 
 def source_counts(tree: TokenTree) -> torch.Tensor:

@@ -19,7 +19,7 @@ SGLang conventions reproduced here (sglang 0.5.23, ``eagle_utils.py`` and the
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -112,21 +112,44 @@ def _check_token_range(name: str, tokens: torch.Tensor, vocab_size: int | None) 
             raise ValueError(f"{name} holds token id {hi}, outside the vocabulary [0, {vocab_size})")
 
 
+@functools.lru_cache(maxsize=256)
+def arange_cached(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64), built once per ``(n, device)``: index tensors are the same every
+    round, and one small op costs about as much as the work it does. Never write into it."""
+    return torch.arange(n, device=device)
+
+
+def ancestor_lists(parents: torch.Tensor, length: int) -> torch.Tensor:
+    """``[bs, n + 1, L]`` int64, ``L >= length``: row ``i`` lists ``i``, its parent, its
+    grandparent, ... padded with the sentinel ``n`` (row ``n`` is the sentinel's own row).
+
+    Pointer doubling: the list of ``2k`` ancestors of ``i`` is its first ``k`` followed by
+    the first ``k`` of its ``k``-th ancestor, so ``ceil(log2 length)`` gathers suffice and
+    nothing waits on the device. Parents outside ``[0, n)`` (``-1``: the root) end the path.
+    """
+    bs, n = parents.shape
+    device = parents.device
+    # Map every non-column (-1, or garbage >= n) to the sentinel n, which points to itself.
+    ptr = torch.where((parents >= 0) & (parents < n), parents, n)
+    ptr = torch.cat([ptr, torch.full((bs, 1), n, dtype=torch.int64, device=device)], dim=1)
+    lists = arange_cached(n + 1, device).view(1, n + 1, 1).expand(bs, n + 1, 1)
+    while lists.shape[2] < length:
+        width = lists.shape[2]
+        lists = torch.cat([lists, lists.gather(1, ptr.unsqueeze(2).expand(bs, n + 1, width))], dim=2)
+        ptr = ptr.gather(1, ptr)
+    return lists
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """``[bs, n, n]`` bool, ``[b, i, j]`` True iff node ``j`` is ``i`` or one of its ancestors.
 
-    Transitive closure by repeated squaring of the one-step relation: ``ceil(log2 n)``
-    batched matmuls and no data-dependent loop, so it never waits on the device.
+    Scatters each node's ancestor list (``ancestor_lists``): ``O(n^2)`` work in
+    ``ceil(log2 n)`` gathers, with no data-dependent loop and no matmul.
     """
     bs, n = parents.shape
-    eye = torch.eye(n, dtype=torch.float32, device=parents.device).expand(bs, n, n)
-    step = torch.zeros(bs, n, n, dtype=torch.float32, device=parents.device)
-    has_parent = parents >= 0
-    step.scatter_(2, parents.clamp(0, n - 1).unsqueeze(2), has_parent.unsqueeze(2).float())
-    reach = eye + step
-    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
-        reach = torch.bmm(reach, reach).clamp_(max=1.0)
-    return reach > 0
+    lists = ancestor_lists(parents, n)[:, :n]
+    mask = torch.zeros(bs, n, n + 1, dtype=torch.bool, device=parents.device)
+    return mask.scatter_(2, lists, True)[:, :, :n].contiguous()
 
 
 def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
@@ -137,21 +160,25 @@ def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
 def child_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(next_token, next_sibling)``: each node's lowest-index child, and its next
     higher-index sibling; ``-1`` where there is none. This is the order SGLang's
-    ``build_tree_efficient`` kernel produces and its verify kernels walk."""
+    ``build_tree_efficient`` kernel produces and its verify kernels walk.
+
+    ``parents`` must be a tree (the root at column 0 with parent -1, every other parent an
+    earlier column). Sorting the nodes by ``(parent, column)`` lines up each parent's
+    children in index order, so one sort and two scatters give both links in ``O(n log n)``.
+    """
     bs, n = parents.shape
-    cols = torch.arange(n, device=parents.device)
-    none = torch.full((), n, dtype=torch.int64, device=parents.device)
-    # is_child[b, p, j]: node j hangs under node p.
-    is_child = parents.unsqueeze(1) == cols.view(1, n, 1)
-    first = torch.where(is_child, cols.view(1, 1, n), none).min(dim=2).values
-    # later_sibling[b, i, j]: j > i and both share a parent (the root has no siblings).
-    same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (parents.unsqueeze(2) >= 0)
-    later = same_parent & (cols.view(1, 1, n) > cols.view(1, n, 1))
-    nxt = torch.where(later, cols.view(1, 1, n), none).min(dim=2).values
-    return (
-        torch.where(first == n, -1, first),
-        torch.where(nxt == n, -1, nxt),
-    )
+    device = parents.device
+    order = torch.add(arange_cached(n, device), parents, alpha=n).argsort(dim=1)  # the root first
+    by_parent = parents.gather(1, order)
+    later, parent_of_later = order[:, 1:], by_parent[:, 1:]
+    same = parent_of_later == by_parent[:, :-1]  # sorted neighbours k, k + 1 are siblings
+    none = torch.full((bs, n), -1, dtype=torch.int64, device=device)
+    next_sibling = none.scatter(1, order[:, :-1], torch.where(same, later, -1))
+    # The first of each run of siblings is its parent's first child; the rest go to a spare column.
+    first_child = torch.full((bs, n + 1), -1, dtype=torch.int64, device=device)
+    first_child.scatter_(1, torch.where(same, n, parent_of_later), later)
+    # Contiguous: SGLang's kernels read these through raw pointers with row stride n.
+    return first_child[:, :n].contiguous(), next_sibling
 
 
 def pack(
@@ -175,33 +202,34 @@ def pack(
         raise ValueError(f"seq_lens must have shape ({bs},) like the tree batch, got {tuple(seq_lens.shape)}")
     device = tree.tokens.device
     seq_lens = seq_lens.to(device=device, dtype=torch.int64)
-    anc = tree.ancestors
     next_token, next_sibling = child_links(tree.parents)
-    retrive_index = (torch.arange(bs, device=device).unsqueeze(1) * n + torch.arange(n, device=device)).long()
-    positions = (seq_lens.unsqueeze(1) + tree.depths).reshape(-1)
     if mask_mode == "qlen":
-        tree_mask = anc.reshape(-1)
+        tree_mask = tree.ancestors.reshape(-1)
     else:
         total = int(seq_lens.sum()) if seq_lens_sum is None else int(seq_lens_sum)
         tree_mask = torch.ones(total * n + n * n * bs, dtype=torch.bool, device=device)
-        row_len = seq_lens + n  # [bs]
-        start = torch.cumsum(row_len * n, dim=0) - row_len * n  # first element of each request
-        rows = torch.arange(n, device=device)
-        idx = (
-            start.view(bs, 1, 1)
-            + rows.view(1, n, 1) * row_len.view(bs, 1, 1)
-            + seq_lens.view(bs, 1, 1)
-            + rows.view(1, 1, n)
-        )
-        tree_mask[idx.reshape(-1)] = anc.reshape(-1)
+        tree_mask[_full_mask_index(seq_lens, n)] = tree.ancestors.reshape(-1)
     return VerifyLayout(
         tree_mask=tree_mask,
-        positions=positions,
-        retrive_index=retrive_index,
+        positions=(seq_lens.unsqueeze(1) + tree.depths).reshape(-1),
+        retrive_index=torch.arange(bs * n, device=device).view(bs, n),
         retrive_next_token=next_token,
         retrive_next_sibling=next_sibling,
         draft_tokens=tree.tokens.reshape(-1),
     )
+
+
+def _full_mask_index(seq_lens: torch.Tensor, n: int) -> torch.Tensor:
+    """``[bs * n * n]`` flat positions of the tree columns in the ``full`` mask: request ``b``
+    starts after the earlier requests' ``n`` rows of ``seq_len + n`` columns, and its row ``r``
+    holds the tree part right after its ``seq_len`` prefix columns."""
+    bs = seq_lens.shape[0]
+    cols = arange_cached(n, seq_lens.device)
+    row_len = seq_lens + n
+    block = row_len * n
+    tree_start = torch.cumsum(block, dim=0) - block + seq_lens  # [bs]
+    first = (tree_start.view(bs, 1, 1) + cols.view(1, 1, n))  # [bs, 1, n]
+    return torch.addcmul(first, cols.view(1, n, 1), row_len.view(bs, 1, 1)).reshape(-1)
 
 
 def tree_from_selection(

@@ -146,6 +146,9 @@ def test_pack_invariants_on_random_trees(bs, n, seed, mode):
         assert lay.retrive_index[b].tolist() == [b * n + i for i in range(n)]
     if mode == "full":
         assert lay.tree_mask.numel() == int(seq_lens.sum()) * n + n * n * bs
+    # SGLang's kernels read every layout tensor through a raw pointer with row stride n.
+    for name, t in lay._asdict().items():
+        assert t.is_contiguous(), name
 
 
 def test_ancestor_mask_is_closed_and_links_match_parents():
