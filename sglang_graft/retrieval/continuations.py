@@ -78,7 +78,8 @@ def continuation_tree(occurrences: Sequence[Occurrence], budget: int, step_rates
         bins.append(b)
         scores.append(step_rates[b] * (1.0 if parent < 0 else scores[parent]))
 
-    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+    # Best first; ``sorted`` is stable even reversed, so ties keep creation order.
+    order = sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)[:budget]
     new_index = {old: new for new, old in enumerate(order)}
     return HostProposal(
         tokens=[tokens[i] for i in order],

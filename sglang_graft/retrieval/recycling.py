@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.retrieval.selection import PackedCandidates, budget_list, select_top
+from sglang_graft.retrieval.tokens import check_id_range, check_integer_ids
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,15 @@ def rank_template(rank_rates: Sequence[float], max_nodes: int, max_depth: int) -
     )
 
 
+class RecycledNodes(NamedTuple):
+    """The template's nodes below each root of a batch, best first (parents before children)."""
+
+    tokens: torch.Tensor  # [bs, size] int32 on the device; -1 where the table knows no successor
+    parents: list[int]  # per node: -1 for children of the root, else an earlier node
+    ranks: list[int]  # per node: its rank, which is its calibration bin
+    scores: list[float]  # per node: its path score
+
+
 class _DeviceTemplate:
     """A ``RankTemplate`` as device tensors, plus the rates it was built for."""
 
@@ -119,12 +129,12 @@ class _DeviceTemplate:
             (torch.tensor(pos, dtype=torch.int64, device=device), torch.tensor(r, dtype=torch.int64, device=device))
             for pos, r in t.levels
         ]
-        # The packed fields with the tokens row still empty: [tokens, parents, sources, bins].
+        # The packed fields but the tokens row: [parents, sources, bins].
         self.fields = torch.tensor(
-            [[-1] * self.size, t.parents, [int(Source.RECYCLING)] * self.size, t.ranks],
+            [t.parents, [int(Source.RECYCLING)] * self.size, t.ranks],
             dtype=torch.int64,
             device=device,
-        ).view(4, 1, self.size)
+        ).view(3, 1, self.size)
 
 
 class RecyclingTable:
@@ -190,6 +200,20 @@ class RecyclingTable:
         row-major order: the later column wins within a request, the later request wins
         across requests. The rule is applied explicitly, not left to the scatter.
         """
+        ids = self.target_ids(tokens, topk_ids, logits=logits)
+        if valid is not None and valid.shape != tokens.shape:
+            raise ValueError(f"valid must match tokens {tuple(tokens.shape)}, got {tuple(valid.shape)}")
+        if tokens.numel() == 0:
+            return
+        self._check_ids("recycling tokens", tokens if valid is None else torch.where(valid, tokens, 0))
+        self._check_ids("recycling topk_ids", ids)
+        self.write(tokens, ids, valid)
+
+    def target_ids(
+        self, tokens: torch.Tensor, topk_ids: torch.Tensor | None, *, logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The ``[bs, n, k']`` top-k ids ``update`` records, shape-checked against ``tokens``
+        (taken from ``logits`` when those are given instead); their values are not checked."""
         if tokens.dim() != 2:
             raise ValueError(f"recycling tokens must be [bs, n], got shape {tuple(tokens.shape)}")
         if topk_ids is not None and logits is None:
@@ -206,24 +230,25 @@ class RecyclingTable:
             raise ValueError(
                 f"topk_ids must be [bs, n, k] matching tokens {tuple(tokens.shape)}, got {tuple(ids.shape)}"
             )
-        if valid is not None and valid.shape != tokens.shape:
-            raise ValueError(f"valid must match tokens {tuple(tokens.shape)}, got {tuple(valid.shape)}")
-        if tokens.numel() == 0:
-            return
-        self._check_ids("recycling tokens", tokens if valid is None else torch.where(valid, tokens, 0))
-        self._check_ids("recycling topk_ids", ids)
+        check_integer_ids("recycling topk_ids", ids)
+        return ids
+
+    def write(self, tokens: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """``update`` without its checks, for callers that range-checked ``tokens`` and ``ids``
+        already (``Retriever.observe`` checks every tree tensor with one host sync)."""
         rows = ids.reshape(-1, ids.shape[-1])
         if rows.shape[1] > self.k:
             rows = rows[:, : self.k]
         elif rows.shape[1] < self.k:
-            rows = torch.cat([rows, rows.new_full((rows.shape[0], self.k - rows.shape[1]), -1)], dim=1)
+            rows = torch.nn.functional.pad(rows, (0, self.k - rows.shape[1]), value=-1)
         flat = tokens.reshape(-1)
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, self._trash_row)
         # Last write wins: after a stable sort, the last of each run of equal tokens is the
-        # latest occurrence; every other one is sent to the trash row.
+        # latest occurrence; every other one is sent to the trash row. (Token ids are >= 0,
+        # so the -1 padding after the last one never equals it.)
         ordered, perm = torch.sort(flat, stable=True)
-        is_last = torch.cat([ordered[1:] != ordered[:-1], ordered.new_ones(1, dtype=torch.bool)])
+        is_last = ordered != torch.nn.functional.pad(ordered[1:], (0, 1), value=-1)
         self._table[torch.where(is_last, ordered, self._trash_row)] = rows[perm].to(torch.int32)
 
     def expand(self, roots: torch.Tensor, rank_rates: Sequence[float]) -> PackedCandidates:
@@ -232,19 +257,32 @@ class RecyclingTable:
         Nodes whose successor is unknown get token -1 (so do their descendants); budgets
         are applied by ``propose`` or by the caller's merged selection.
         """
+        return self.pack(self.expand_tokens(roots, rank_rates))
+
+    def pack(self, nodes: RecycledNodes) -> PackedCandidates:
+        """The packed form of the latest ``expand_tokens`` result."""
+        bs, size = nodes.tokens.shape
+        assert self._template is not None
+        fields = torch.cat([nodes.tokens.unsqueeze(0), self._template.fields.expand(3, bs, size)])
+        scores = torch.tensor([nodes.scores], dtype=torch.float32, device=self.device)
+        return PackedCandidates(fields, scores.expand(bs, size))
+
+    def expand_tokens(self, roots: torch.Tensor, rank_rates: Sequence[float]) -> RecycledNodes:
+        """``expand`` with only the tokens on the device: the rest of each node is the same for
+        every root, so a caller that packs other proposals on the host can add it there."""
         if len(rank_rates) != self.k:
             raise ValueError(f"rank_rates must have k={self.k} entries, got {len(rank_rates)}")
         t = self._device_template(rank_rates)
         bs = roots.shape[0]
-        prev = roots.view(bs, 1)
-        levels = []
-        for parent_pos, ranks in t.levels:
-            prev = self._table[prev[:, parent_pos], ranks]
-            levels.append(prev)
-        fields = t.fields.expand(4, bs, t.size).clone()
-        torch.cat(levels, dim=1, out=fields[0])
-        scores = torch.frombuffer(array("f", t.template.scores(rank_rates)), dtype=torch.float32)
-        return PackedCandidates(fields, scores.to(self.device).view(1, t.size).expand(bs, t.size))
+        (_, first_ranks), *deeper = t.levels
+        # Every first-level node hangs off the root: one broadcast lookup, no parent gather.
+        level = self._table[roots.view(bs, 1), first_ranks]
+        levels = [level]
+        for parent_pos, ranks in deeper:
+            level = self._table[level.index_select(1, parent_pos), ranks]
+            levels.append(level)
+        template = t.template
+        return RecycledNodes(torch.cat(levels, dim=1), template.parents, template.ranks, template.scores(rank_rates))
 
     def propose(self, roots: torch.Tensor, rank_rates: Sequence[float], budget: int | torch.Tensor) -> Candidates:
         """The ``budget`` best recycled nodes below each root (``[bs]`` tokens), best first."""
@@ -265,12 +303,6 @@ class RecyclingTable:
         return self._template
 
     def _check_ids(self, what: str, ids: torch.Tensor) -> None:
-        if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}")
-        if ids.numel() == 0:
-            return
-        lo, hi = (int(v) for v in torch.aminmax(ids))
-        if lo < 0:
-            raise ValueError(f"{what} holds negative token id {lo}; valid ids are [0, {self.vocab_size})")
-        if hi >= self.vocab_size:
-            raise ValueError(f"{what} holds token id {hi}, outside the vocabulary [0, {self.vocab_size})")
+        check_integer_ids(what, ids)
+        if ids.numel():
+            check_id_range(what, *(int(v) for v in torch.aminmax(ids)), self.vocab_size)

@@ -28,12 +28,12 @@ import torch
 
 from sglang_graft.candidates import SOURCE_NAMES, Candidates, Source
 from sglang_graft.retrieval.context import ContextIndex, TokenWindow
-from sglang_graft.retrieval.continuations import EMPTY_PROPOSAL, continuation_tree
+from sglang_graft.retrieval.continuations import EMPTY_PROPOSAL, HostProposal, Occurrence, continuation_tree
 from sglang_graft.retrieval.history import HistoryIndex
-from sglang_graft.retrieval.recycling import RecyclingTable
+from sglang_graft.retrieval.recycling import RecycledNodes, RecyclingTable
 from sglang_graft.retrieval.scoring import RETRIEVAL_SOURCES, RetrievalCalibration
-from sglang_graft.retrieval.selection import PackedCandidates, budget_list, concat_packed, select_top
-from sglang_graft.retrieval.tokens import TokenIds, token_array
+from sglang_graft.retrieval.selection import PackedCandidates, budget_list, select_top
+from sglang_graft.retrieval.tokens import TokenIds, check_id_range, check_integer_ids, tensor_bounds, token_array
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,11 @@ class Retriever:
             )
         self.calibration = RetrievalCalibration(config.recycling_k, config.prior_strength, config.decay, self.device)
         self._requests: dict[Hashable, _Request] = {}
-        # Rows: proposed, verified, accepted; columns: Source. Kept on the device (no sync).
-        self._counts = torch.zeros(3, len(Source), dtype=torch.int64, device=self.device)
+        # Counts kept on the device (no sync): proposed nodes per Source, and verified nodes
+        # per (Source, accepted) as cell ``2 * source + accepted``.
+        self._proposed = torch.zeros(len(Source), dtype=torch.int64, device=self.device)
+        self._outcomes = torch.zeros(2 * len(Source), dtype=torch.int64, device=self.device)
+        self._one = torch.ones((), dtype=torch.int64, device=self.device)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -194,19 +197,17 @@ class Retriever:
         top = max(budgets, default=0)
         if top == 0:
             return Candidates.empty(bs, self.device)
-        rates = self.calibration.step_probabilities()
-        parts = []
+        recycled = None
         if self.recycling is not None:
             roots = torch.frombuffer(array("q", [r.window.last_token for r in reqs]), dtype=torch.int64)
-            parts.append(self.recycling.expand(roots.to(self.device), rates[Source.RECYCLING]))
-        host = self._host_candidates(reqs, budgets, rates, sum(p.fields.shape[2] for p in parts))
-        if host is not None:
-            parts.append(host)
-        if not parts:
+            rates = self.calibration.step_rates(Source.RECYCLING)
+            recycled = self.recycling.expand_tokens(roots.to(self.device), rates)
+        packed = self._pack(recycled, self._host_proposals(reqs, budgets))
+        if packed is None:
             return Candidates.empty(bs, self.device)
         limit = budget.to(self.device) if isinstance(budget, torch.Tensor) else budget
-        out = select_top(concat_packed(parts), limit, top)
-        self._counts[0].scatter_add_(0, out.sources.reshape(-1), out.valid.reshape(-1).long())
+        out = select_top(packed, limit, top)
+        self._proposed.scatter_add_(0, out.sources.view(-1), out.valid.view(-1).long())
         return out
 
     def observe(
@@ -251,23 +252,29 @@ class Retriever:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like tree_tokens")
         if bs == 0:
             return
-        lo, hi = (int(v) for v in torch.aminmax(tree_sources))
-        if lo < 0 or hi >= len(Source):
-            raise ValueError(f"tree_sources holds {lo if lo < 0 else hi}, outside the Source codes [0, {len(Source)})")
+        recycle = self.recycling is not None and (target_topk is not None or target_logits is not None)
+        ids = None
+        if recycle:
+            assert self.recycling is not None
+            ids = self.recycling.target_ids(tree_tokens, target_topk, logits=target_logits)
+        self._check_tree_ids(tree_sources, tree_tokens, ids)
         sources = tree_sources.long()
         accepted = accepted_mask.bool()
         self.calibration.observe(tree_parents.long(), sources, tree_bins.long(), accepted)
-        flat = sources.reshape(-1)
-        self._counts[1].scatter_add_(0, flat, torch.ones_like(flat))
-        self._counts[2].scatter_add_(0, flat, accepted.reshape(-1).long())
-        if self.recycling is not None and (target_topk is not None or target_logits is not None):
-            self.recycling.update(tree_tokens, target_topk, logits=target_logits)
+        # One accumulate for both verified and accepted counts: cell ``2 * source + accepted``.
+        self._outcomes.index_put_(((sources * 2 + accepted).view(-1),), self._one, accumulate=True)
+        if ids is not None:
+            assert self.recycling is not None
+            self.recycling.write(tree_tokens, ids)
 
     # ----------------------------------------------------------------- reports
 
     def stats(self) -> dict[str, object]:
         """Per-source counts and acceptance, history occupancy, open requests, memory."""
-        proposed, verified, accepted = self._counts.tolist()
+        proposed = self._proposed.tolist()
+        outcomes = self._outcomes.tolist()
+        accepted = outcomes[1::2]
+        verified = [r + a for r, a in zip(outcomes[::2], accepted)]
         enabled = {
             Source.RECYCLING: self.recycling is not None,
             Source.CONTEXT: self.config.context,
@@ -320,46 +327,94 @@ class Retriever:
         if len(dict.fromkeys(rids)) != len(rids):
             raise ValueError(f"request ids in a batch must be distinct, got {list(rids)!r}")
 
-    def _host_candidates(
-        self, reqs: list[_Request], budgets: list[int], rates: dict[Source, list[float]], column_offset: int
-    ) -> PackedCandidates | None:
-        """Context and history proposals of every request, packed into one padded block
-        whose parent columns start at ``column_offset``."""
+    def _check_tree_ids(self, sources: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None) -> None:
+        """Range-check the verified tree's sources (and, when recycling records them, its
+        tokens and the target's ids) with one host sync: an id outside its range would
+        silently corrupt a shared table."""
+        checked = [sources]
+        if ids is not None:
+            check_integer_ids("recycling tokens", tokens)
+            checked += [tokens, ids]
+        bounds = tensor_bounds([t for t in checked if t.numel()])
+        lo, hi = bounds[0]
+        if lo < 0 or hi >= len(Source):
+            raise ValueError(f"tree_sources holds {lo if lo < 0 else hi}, outside the Source codes [0, {len(Source)})")
+        vocab = self.config.vocab_size
+        for what, (lo, hi) in zip(("recycling tokens", "recycling topk_ids"), bounds[1:]):
+            check_id_range(what, lo, hi, vocab)
+
+    def _tree(self, occurrences: list[Occurrence], budget: int, source: Source) -> HostProposal:
+        """``continuation_tree`` scored with ``source``'s rates, which are only computed
+        (from the calibration counts) when there is something to score."""
+        if not occurrences:
+            return EMPTY_PROPOSAL
+        return continuation_tree(occurrences, budget, self.calibration.step_rates(source))
+
+    def _host_proposals(self, reqs: list[_Request], budgets: list[int]) -> list[tuple[HostProposal, HostProposal]]:
+        """Context and history proposals of every request (none when both are off)."""
         if not self.config.context and self.history is None:
-            return None
+            return []
         proposals = []
         for req, b in zip(reqs, budgets):
             depth = min(b, self.config.max_continuation)
-            ctx = continuation_tree(req.window.occurrences(depth), b, rates[Source.CONTEXT])
+            ctx = self._tree(req.window.occurrences(depth), b, Source.CONTEXT)
             hist = EMPTY_PROPOSAL
             if self.history is not None:
-                hist = continuation_tree(
-                    self.history.occurrences(req.namespace, req.window.tokens, depth), b, rates[Source.HISTORY]
-                )
+                hist = self._tree(self.history.occurrences(req.namespace, req.window.tokens, depth), b, Source.HISTORY)
             proposals.append((ctx, hist))
-        width = max(len(c.tokens) + len(h.tokens) for c, h in proposals)
+        return proposals
+
+    def _pack(
+        self, recycled: RecycledNodes | None, proposals: list[tuple[HostProposal, HostProposal]]
+    ) -> PackedCandidates | None:
+        """All proposals of the batch in one padded block: recycled nodes first, then each
+        request's context and history nodes.
+
+        Only the recycled tokens live on the device; every other field is known on the
+        host, so it is laid out there and copied once (when there are host proposals at
+        all: otherwise the recycling table's own packing is used).
+        """
+        width = max((len(c.tokens) + len(h.tokens) for c, h in proposals), default=0)
         if width == 0:
-            return None
+            if recycled is None:
+                return None
+            assert self.recycling is not None
+            return self.recycling.pack(recycled)
+        bs = len(proposals)
+        n_rec = 0 if recycled is None else len(recycled.scores)
         tokens, parents, sources, bins = array("q"), array("q"), array("q"), array("q")
         scores = array("f")
+        rec_parents, rec_sources, rec_bins, rec_scores = array("q"), array("q"), array("q"), array("f")
+        if recycled is not None:
+            rec_parents = array("q", recycled.parents)
+            rec_sources = array("q", [int(Source.RECYCLING)]) * n_rec
+            rec_bins = array("q", recycled.ranks)
+            rec_scores = array("f", recycled.scores)
         for ctx, hist in proposals:
             nc, nh = len(ctx.tokens), len(hist.tokens)
             pad = width - nc - nh
             tokens.extend(ctx.tokens)
             tokens.extend(hist.tokens)
             tokens.extend([-1] * pad)
-            parents.extend([p + column_offset if p >= 0 else -1 for p in ctx.parents])
-            parents.extend([p + column_offset + nc if p >= 0 else -1 for p in hist.parents])
+            parents.extend(rec_parents)
+            parents.extend([p + n_rec if p >= 0 else -1 for p in ctx.parents])
+            parents.extend([p + n_rec + nc if p >= 0 else -1 for p in hist.parents])
             parents.extend([-1] * pad)
+            sources.extend(rec_sources)
             sources.extend([int(Source.CONTEXT)] * nc + [int(Source.HISTORY)] * nh + [int(Source.FILLER)] * pad)
+            bins.extend(rec_bins)
             bins.extend(ctx.bins)
             bins.extend(hist.bins)
             bins.extend([0] * pad)
+            scores.extend(rec_scores)
             scores.extend(ctx.scores)
             scores.extend(hist.scores)
             scores.extend([0.0] * pad)
-        bs = len(reqs)
-        fields = torch.frombuffer(tokens + parents + sources + bins, dtype=torch.int64).view(4, bs, width)
+        m = n_rec + width
+        host_tokens = torch.frombuffer(tokens, dtype=torch.int64).view(bs, width).to(self.device)
+        all_tokens = host_tokens if recycled is None else torch.cat([recycled.tokens, host_tokens], dim=1)
+        rest = torch.frombuffer(parents + sources + bins, dtype=torch.int64).view(3, bs, m).to(self.device)
         return PackedCandidates(
-            fields.to(self.device), torch.frombuffer(scores, dtype=torch.float32).view(bs, width).to(self.device)
+            torch.cat([all_tokens.unsqueeze(0), rest]),
+            torch.frombuffer(scores, dtype=torch.float32).view(bs, m).to(self.device),
         )

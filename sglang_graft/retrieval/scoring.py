@@ -48,10 +48,18 @@ def length_bucket(length: int) -> int:
     return bisect.bisect_right(LENGTH_BOUNDS, length) - 1
 
 
+#: ``length_bucket(n) * NUM_SHARE_BINS`` for every length up to the last bound (a list
+#: lookup is several times cheaper than a bisect on the per-node scoring path).
+_BIN_BASE: tuple[int, ...] = tuple(length_bucket(n) * NUM_SHARE_BINS for n in range(LENGTH_BOUNDS[-1] + 1))
+_TOP_BIN_BASE = _BIN_BASE[-1]
+
+
 def match_bin(length: int, share: float) -> int:
     """Calibration bin of a context/history node: effective match length x agreement share."""
-    share_bin = min(int(share * NUM_SHARE_BINS), NUM_SHARE_BINS - 1)
-    return length_bucket(length) * NUM_SHARE_BINS + share_bin
+    share_bin = int(share * NUM_SHARE_BINS)
+    if share_bin >= NUM_SHARE_BINS:
+        share_bin = NUM_SHARE_BINS - 1
+    return (_BIN_BASE[length] if length <= LENGTH_BOUNDS[-1] else _TOP_BIN_BASE) + share_bin
 
 
 def rank_prior(rank: int) -> float:
@@ -95,27 +103,38 @@ class RetrievalCalibration:
             group_of[int(s)] = g
         self._group_of_source = group_of.to(device)
         self._num_bins = num_bins
-        self._step: list[list[float]] | None = None
+        self._counts: tuple[list[float], list[float]] | None = None  # host copy of the calibrator's counts
+        self._step: list[list[float] | None] = [None] * len(RETRIEVAL_SOURCES)
 
     def step_probabilities(self) -> dict[Source, list[float]]:
-        """Current calibrated step rate per bin, for each retrieval source.
+        """Current calibrated step rate per bin, for each retrieval source."""
+        return {s: self.step_rates(s) for s in RETRIEVAL_SOURCES}
+
+    def step_rates(self, source: Source) -> list[float]:
+        """Current calibrated step rate per bin of one retrieval source.
 
         This is the calibrator's posterior mean ``(accepted + s * prior) / (proposed + s)``
         (what ``AcceptanceCalibrator.estimate`` returns, cell by cell), evaluated on the
-        host from its counts once per ``observe``: the proposal paths are host loops over
-        a small grid, and reading two count vectors costs far fewer tensor operations
-        than a batched estimate on every round.
+        host: the proposal paths are host loops over a small grid, and reading two count
+        vectors costs far fewer tensor operations than a batched estimate on every round.
+        The counts are read once per ``observe`` and each source's rates are computed only
+        when asked for (a source with nothing to propose never needs them).
         """
-        if self._step is None:
-            cells = len(self._prior_list)
-            proposed = self.calibrator.proposed[:cells].tolist()
-            accepted = self.calibrator.accepted[:cells].tolist()
+        g = RETRIEVAL_SOURCES.index(source)
+        rates = self._step[g]
+        if rates is None:
+            if self._counts is None:
+                cells = len(self._prior_list)
+                self._counts = (
+                    self.calibrator.proposed[:cells].tolist(),
+                    self.calibrator.accepted[:cells].tolist(),
+                )
+            proposed, accepted = self._counts
             s = self.calibrator.prior_strength
-            flat = [(a + s * p) / (n + s) for a, n, p in zip(accepted, proposed, self._prior_list)]
-            b = self._num_bins
-            self._step = [flat[g * b : (g + 1) * b] for g in range(len(RETRIEVAL_SOURCES))]
-        rank = self._step[0][: self.rank_k]
-        return {Source.RECYCLING: rank, Source.CONTEXT: self._step[1], Source.HISTORY: self._step[2]}
+            cells = range(g * self._num_bins, g * self._num_bins + (self.rank_k if g == 0 else self._num_bins))
+            prior = self._prior_list
+            rates = self._step[g] = [(accepted[c] + s * prior[c]) / (proposed[c] + s) for c in cells]
+        return rates
 
     def observe(
         self,
@@ -134,4 +153,5 @@ class RetrievalCalibration:
         parent_accepted = accepted.gather(1, parents.clamp(min=0)) | (parents == 0)
         groups = torch.where(parent_accepted, self._group_of_source[sources], _TRASH_GROUP)
         self.calibrator.observe(groups, bins, accepted)
-        self._step = None
+        self._counts = None
+        self._step = [None] * len(RETRIEVAL_SOURCES)

@@ -13,6 +13,7 @@ lets one gather move every field at once.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -30,20 +31,11 @@ class PackedCandidates(NamedTuple):
     scores: torch.Tensor
 
 
-def concat_packed(parts: list[PackedCandidates]) -> PackedCandidates:
-    """Columns of ``parts`` side by side; each part's parent columns must already count the
-    columns of the parts before it (producers take a ``column_offset`` for that)."""
-    if len(parts) == 1:
-        return parts[0]
-    return PackedCandidates(torch.cat([p.fields for p in parts], dim=2), torch.cat([p.scores for p in parts], dim=1))
-
-
 def select_top(packed: PackedCandidates, budget: int | torch.Tensor, width: int) -> Candidates:
     """The ``budget`` best nodes of each request, in ``width`` columns, best first.
 
     Args:
-        packed: proposals whose scores never increase from parent to child; its parents
-            row is overwritten (callers hand over freshly built tensors).
+        packed: proposals whose scores never increase from parent to child.
         budget: an int for every request, or a ``[bs]`` integer tensor.
         width: output columns; at least the largest budget for nothing to be cut.
             Columns past a request's kept nodes are padding (``valid`` False, token -1).
@@ -54,25 +46,33 @@ def select_top(packed: PackedCandidates, budget: int | torch.Tensor, width: int)
     width = min(width, m)
     if width <= 0:
         return Candidates.empty(bs, device)
-    valid = fields[TOKENS] >= 0
-    order = torch.sort(torch.where(valid, scores, -1.0), dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=device).expand(bs, m))
-    # Parents as output columns (in place: ``packed`` is consumed); a sentinel column in
-    # front maps the root's -1 to -1.
-    rank_or_root = torch.cat([rank.new_full((bs, 1), -1), rank], dim=1)
-    fields[PARENTS] = rank_or_root.gather(1, fields[PARENTS] + 1)
-    order = order[:, :width]
-    picked = fields.gather(2, order.unsqueeze(0).expand(4, bs, width))
-    limit = budget.view(bs, 1) if isinstance(budget, torch.Tensor) else budget
-    keep = (picked[TOKENS] >= 0) & (torch.arange(width, device=device) < limit)
+    order = torch.sort(torch.where(fields[TOKENS] >= 0, scores, -1.0), dim=1, descending=True, stable=True).indices
+    # Output column of every input column, behind a sentinel column that maps the root's
+    # parent -1 to -1, so remapping the parents is one gather.
+    rank_or_root = order.new_full((bs, m + 1), -1)
+    rank_or_root[:, 1:].scatter_(1, order, _arange(m, device).expand(bs, m))
+    top = order[:, :width]
+    picked = fields.gather(2, top.unsqueeze(0).expand(4, bs, width))
+    tokens = picked[TOKENS]
+    keep = tokens >= 0
+    if isinstance(budget, torch.Tensor) or budget < width:
+        limit = budget.view(bs, 1) if isinstance(budget, torch.Tensor) else budget
+        keep &= _arange(width, device) < limit
+        tokens = torch.where(keep, tokens, -1)
     return Candidates(
-        tokens=torch.where(keep, picked[TOKENS], -1),
-        parents=picked[PARENTS],
-        scores=scores.gather(1, order),
+        tokens=tokens,
+        parents=rank_or_root.gather(1, picked[PARENTS] + 1),
+        scores=scores.gather(1, top),
         sources=picked[SOURCES],
         valid=keep,
         bins=picked[BINS],
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` built once per size and device (read-only: callers only expand it)."""
+    return torch.arange(n, device=device)
 
 
 def budget_list(budget: int | torch.Tensor, bs: int) -> list[int]:

@@ -34,12 +34,28 @@ def token_array(ids: TokenIds, vocab_size: int, what: str) -> array:
     except (TypeError, OverflowError) as exc:
         raise ValueError(f"{what} must hold integer token ids in [0, {vocab_size}): {exc}") from None
     if out:
-        lo, hi = min(out), max(out)
-        if lo < 0:
-            raise ValueError(f"{what} holds negative token id {lo}; valid ids are [0, {vocab_size})")
-        if hi >= vocab_size:
-            raise ValueError(f"{what} holds token id {hi}, outside the vocabulary [0, {vocab_size})")
+        check_id_range(what, min(out), max(out), vocab_size)
     return out
+
+
+def check_integer_ids(what: str, ids: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``ids`` holds integers (not floats, not bools)."""
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"{what} must hold integer token ids, got dtype {ids.dtype}")
+
+
+def check_id_range(what: str, lo: int, hi: int, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless ``[lo, hi]`` (the smallest and largest id) lies in the vocabulary."""
+    if lo < 0:
+        raise ValueError(f"{what} holds negative token id {lo}; valid ids are [0, {vocab_size})")
+    if hi >= vocab_size:
+        raise ValueError(f"{what} holds token id {hi}, outside the vocabulary [0, {vocab_size})")
+
+
+def tensor_bounds(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(min, max)`` of each non-empty tensor, read back with one host sync for all of them."""
+    flat = torch.stack([v for t in tensors for v in torch.aminmax(t)]).tolist()
+    return list(zip(flat[::2], flat[1::2]))
 
 
 class NgramKeys:
