@@ -59,6 +59,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-depth", type=int, default=4, help="most draft levels per round (default 4)")
     p.add_argument("--draft-topk", type=int, default=4, help="children per expanded draft node (default 4)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
+    p.add_argument("--draft-cost-ratio", type=float, default=None,
+                   help="draft forward time / target forward time, for the cost-aware draft depth of pruned "
+                        "and graft (default: estimated from the two models' weight sizes)")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16", "float64"), default=None,
                    help="model dtype (default: float32 for tiny models and on CPUs without native bf16 "
                         "matmul, where a multi-token bf16 forward costs about as much as one forward per token; "
@@ -134,6 +137,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_depth=args.draft_depth,
         draft_topk=args.draft_topk,
         gates=GateConfig(mode=args.gates),
+        draft_cost_ratio=args.draft_cost_ratio,
     )
 
 

@@ -28,6 +28,7 @@ from typing import Protocol, Sequence
 import torch
 
 from sglang_graft.candidates import Candidates
+from sglang_graft.cost import DepthBudget, DraftOrRetrieve
 from sglang_graft.graft import GraftResult, graft
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
 from sglang_graft.tree import TokenTree
@@ -61,17 +62,27 @@ class SchedulerConfig:
         policy: one of ``POLICIES``.
         num_nodes: the verify budget ``n`` including the root (>= 2).
         gates: confidence-gate settings (used by ``pruned`` and ``graft``).
+        draft_cost_ratio: draft forward time / target verify time. When set, the gated
+            policies also stop drafting once another level is not expected to raise tokens
+            per second (``sglang_graft.cost``); None leaves the depth to the gates alone.
+        draft_depth: the drafter's deepest level (the cost look-ahead's horizon).
     """
 
     policy: str = "graft"
     num_nodes: int = 16
     gates: GateConfig = field(default_factory=GateConfig)
+    draft_cost_ratio: float | None = None
+    draft_depth: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.num_nodes < 2:
             raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {self.num_nodes}")
+        if self.draft_cost_ratio is not None and not self.draft_cost_ratio > 0:
+            raise ValueError(f"draft_cost_ratio must be > 0 (draft forward / target forward time), got {self.draft_cost_ratio}")
+        if self.draft_depth < 1:
+            raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
 
     @property
     def uses_draft(self) -> bool:
@@ -100,16 +111,48 @@ class GraftScheduler:
         self.config = config
         self.retriever = retriever
         self.pruner = ConfidencePruner(config.gates, device=device)
+        costed = config.uses_gates and config.draft_cost_ratio is not None
+        self.depth_budget = DepthBudget(config.draft_cost_ratio, config.draft_depth) if costed else None
+        # Skipping the draft altogether needs retrieval to fill the tree instead: graft only.
+        self.draft_gate = DraftOrRetrieve(config.draft_cost_ratio) if costed and config.uses_retrieval else None
 
     def draft_continues(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
         """After drafting level ``depth``: which requests may draft deeper (``[bs]`` bool).
 
-        Without gates every request continues. The engine stops drafting for the whole
-        batch once no entry is True.
+        Without gates every request continues. With them, a request continues while its
+        confidence gates pass and, when a draft cost is configured, while one more level is
+        expected to pay for its forward. The engine stops drafting for the whole batch once
+        no entry is True.
         """
+        bs = step_scores.shape[0]
         if not self.config.uses_gates:
-            return torch.ones(step_scores.shape[0], dtype=torch.bool, device=step_scores.device)
-        return self.pruner.step_continues(depth, step_scores)
+            return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
+        go = self.pruner.step_continues(depth, step_scores)
+        if self.depth_budget is not None:
+            best = step_scores.reshape(bs, -1).max(dim=1).values
+            q = self.pruner.calibrated(torch.full_like(best, depth, dtype=torch.int64), best)
+            go = go & self.depth_budget.continues(depth, q).to(go.device)
+        return go
+
+    def retrieve(self, rids: Sequence[str]) -> Candidates | None:
+        """This round's retrieved candidates (None for policies without retrieval)."""
+        if not self.config.uses_retrieval:
+            return None
+        assert self.retriever is not None
+        return self.retriever.propose(rids, self.config.num_nodes - 1)
+
+    def wants_draft(self, retrieved: Candidates | None) -> bool:
+        """Before any draft forward: should the batch draft this round?
+
+        Always for ``dense`` and ``pruned``; for ``graft`` with a draft cost, unless
+        retrieval alone is expected to yield more tokens per unit of time for every request
+        (``sglang_graft.cost.DraftOrRetrieve``).
+        """
+        if not self.config.uses_draft:
+            return False
+        if self.draft_gate is None or retrieved is None:
+            return True
+        return bool(self.draft_gate.wants_draft(retrieved.scores, retrieved.valid, self.config.num_nodes - 1).any())
 
     def build_tree(
         self,
@@ -117,29 +160,31 @@ class GraftScheduler:
         root_tokens: torch.Tensor,
         drafts: Candidates | None,
         continues: list[torch.Tensor] | None = None,
+        retrieved: Candidates | None = None,
     ) -> GraftResult:
         """The round's tree: the best ``n - 1`` of the pruned drafts and the retrieved nodes.
 
         Args:
             rids: request ids, one per row.
             root_tokens: ``[bs]`` last verified token per request.
-            drafts: the draft model's candidates (raw cumulative probabilities), or None.
+            drafts: the draft model's candidates (raw cumulative probabilities), or None
+                when ``wants_draft`` said no.
             continues: the ``draft_continues`` masks of the levels drafted, in order.
+            retrieved: this round's ``retrieve`` result, if the caller asked for it
+                already (else it is retrieved here).
         """
         bs = root_tokens.shape[0]
         device = root_tokens.device
-        slots = self.config.num_nodes - 1
         parts: list[Candidates] = []
-        if self.config.uses_draft:
-            if drafts is None:
-                raise ValueError(f"policy {self.config.policy!r} needs draft candidates")
+        if self.config.uses_draft and drafts is None and self.draft_gate is None:
+            raise ValueError(f"policy {self.config.policy!r} needs draft candidates")
+        if drafts is not None and self.config.uses_draft:
             if self.config.uses_gates:
                 stop = stop_depths(continues or [], bs, device=device)
                 drafts = self.pruner.prune(drafts, stop)
             parts.append(drafts)
         if self.config.uses_retrieval:
-            assert self.retriever is not None
-            parts.append(self.retriever.propose(rids, slots))
+            parts.append(self.retrieve(rids) if retrieved is None else retrieved)
         if not parts:
             parts.append(Candidates.empty(bs, device))
         return graft(root_tokens, parts, self.config.num_nodes)
@@ -150,6 +195,7 @@ class GraftScheduler:
         tree: TokenTree,
         accepted_mask: torch.Tensor,
         target_topk: torch.Tensor | None = None,
+        draft_forwards: int | None = None,
     ) -> None:
         """Learn from one verify round.
 
@@ -157,7 +203,10 @@ class GraftScheduler:
             accepted_mask: ``[bs, n]`` True on the accepted path (root included).
             target_topk: ``[bs, n, k]`` the target's top-k tokens after each node, for
                 token recycling (None: recycling learns nothing this round).
+            draft_forwards: draft forwards this round took (0 or None: it did not draft).
         """
+        if self.draft_gate is not None and draft_forwards is not None:
+            self.draft_gate.observe(float(accepted_mask.sum()) / max(accepted_mask.shape[0], 1), draft_forwards)
         if self.config.uses_gates:
             self.pruner.observe(tree, accepted_mask)
         if self.retriever is not None:

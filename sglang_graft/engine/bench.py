@@ -85,6 +85,7 @@ class _Method:
                 draft_depth=settings.engine.draft_depth,
                 draft_topk=settings.engine.draft_topk,
                 gates=settings.engine.gates,
+                draft_cost_ratio=settings.engine.draft_cost_ratio,
             )
             self.engine = SpecEngine(pair.target, pair.draft, config, stop_token_ids=pair.stop_token_ids)
 

@@ -21,6 +21,9 @@ class EngineConfig:
         draft_depth: most draft levels per round.
         draft_topk: children per expanded draft node and nodes expanded per level.
         gates: confidence gates of ``pruned`` and ``graft``.
+        draft_cost_ratio: draft forward time / target forward time for the cost-aware
+            depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
+            estimates it from the two models' weight sizes.
     """
 
     policy: str = "graft"
@@ -28,6 +31,7 @@ class EngineConfig:
     draft_depth: int = 4
     draft_topk: int = 4
     gates: GateConfig = field(default_factory=GateConfig)
+    draft_cost_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ENGINE_POLICIES:
@@ -38,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
         if self.draft_topk < 1:
             raise ValueError(f"draft_topk must be >= 1, got {self.draft_topk}")
+        if self.draft_cost_ratio is not None and not self.draft_cost_ratio > 0:
+            raise ValueError(f"draft_cost_ratio must be > 0 (draft forward / target forward time), got {self.draft_cost_ratio}")
 
     @property
     def uses_draft(self) -> bool:
@@ -51,7 +57,13 @@ class EngineConfig:
         """The scheduler settings of a speculative policy (None for ``ar``)."""
         if self.policy == "ar":
             return None
-        return SchedulerConfig(policy=self.policy, num_nodes=self.num_nodes, gates=self.gates)
+        return SchedulerConfig(
+            policy=self.policy,
+            num_nodes=self.num_nodes,
+            gates=self.gates,
+            draft_cost_ratio=self.draft_cost_ratio,
+            draft_depth=self.draft_depth,
+        )
 
 
 @dataclass(frozen=True)

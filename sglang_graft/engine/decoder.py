@@ -21,6 +21,7 @@ a verify step: greedy and sampled outputs of every policy are produced by the sa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from sglang_graft.candidates import SOURCE_NAMES, Source
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.drafter import Drafter, ModelDrafter
 from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
+from sglang_graft.engine.models import weight_cost_ratio
 from sglang_graft.engine.outputs import BatchOutput, RequestOutput
 from sglang_graft.retrieval import Retriever, RetrieverConfig
 from sglang_graft.scheduler import GraftScheduler, accepted_mask_from_nodes
@@ -64,6 +66,8 @@ class SpecEngine:
     ) -> None:
         if config.uses_draft and draft is None:
             raise ValueError(f"policy {config.policy!r} needs a draft model")
+        if draft is not None and config.draft_cost_ratio is None:
+            config = dataclasses.replace(config, draft_cost_ratio=weight_cost_ratio(draft, target))
         self.target = target
         self.draft = draft
         self.config = config
@@ -186,10 +190,11 @@ class DecodeRun:
         e = self.e
         if e.scheduler is None:
             return _root_only(self.roots), 0
+        retrieved = e.scheduler.retrieve(self.rids)
         drafts, gates, forwards = None, [], 0
-        if self.drafter is not None:
+        if self.drafter is not None and e.scheduler.wants_draft(retrieved):
             drafts, gates, forwards = self.drafter.draft(self.pending, self.pending_valid, e.scheduler.draft_continues)
-        return e.scheduler.build_tree(self.rids, self.roots, drafts, gates).tree, forwards
+        return e.scheduler.build_tree(self.rids, self.roots, drafts, gates, retrieved).tree, forwards
 
     def verify(self, tree: TokenTree) -> tuple[SampledVerify, torch.Tensor]:
         """One target forward over the tree; returns the acceptance and the logits."""
@@ -219,7 +224,7 @@ class DecodeRun:
         self.target_kv.commit(keep)
         top_values, top_ids = logits.float().topk(min(_RECYCLING_K, logits.shape[-1]), dim=-1)
         if e.scheduler is not None:
-            e.scheduler.observe(self.rids, tree, accepted, top_ids)
+            e.scheduler.observe(self.rids, tree, accepted, top_ids, draft_forwards)
         # Emitted tokens: the accepted path below the root, then the bonus token. The
         # token emitted at step i was chosen from the logits of path node i.
         path = result.accept_nodes.clamp(min=0)
@@ -230,7 +235,7 @@ class DecodeRun:
         emitted_margins = margins.gather(1, path)
         path_sources = tree.sources.gather(1, path)[:, 1:]
         self._record(emitted, lengths, emitted_margins, path_sources, n if e.scheduler else 1, draft_forwards)
-        self._advance(emitted, lengths, result.bonus_tokens)
+        self._advance(emitted, lengths, result.bonus_tokens, drafted=draft_forwards > 0)
 
     def _record(
         self,
@@ -269,15 +274,23 @@ class DecodeRun:
             if e.retriever is not None:
                 e.retriever.append(self.rids[row], take if done else new)
 
-    def _advance(self, emitted: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor) -> None:
-        """Next round's roots and drafter input; finished rows leave the batch."""
+    def _advance(self, emitted: torch.Tensor, lengths: torch.Tensor, bonus: torch.Tensor, drafted: bool) -> None:
+        """Next round's roots and drafter input; finished rows leave the batch.
+
+        The drafter reads everything verified since it last drafted: this round's emitted
+        tokens, after the ones of the rounds it skipped (``drafted`` False).
+        """
         counts = lengths + 1
         width = emitted.shape[1]
         cols = torch.arange(width, device=emitted.device)
         shift = (width - counts).unsqueeze(1)
         src = (cols.unsqueeze(0) - shift).clamp(min=0)
-        self.pending = emitted.gather(1, src)
-        self.pending_valid = cols.unsqueeze(0) >= shift
+        pending, pending_valid = emitted.gather(1, src), cols.unsqueeze(0) >= shift
+        if not drafted and self.drafter is not None:
+            pending, pending_valid = _right_align(
+                torch.cat([self.pending, pending], dim=1), torch.cat([self.pending_valid, pending_valid], dim=1)
+            )
+        self.pending, self.pending_valid = pending, pending_valid
         self.roots = bonus
         if not self.finished:
             return
@@ -300,6 +313,12 @@ class DecodeRun:
         first = int(live.long().argmax()) if bool(live.any()) else 0
         self.pending = self.pending[:, first:]
         self.pending_valid = self.pending_valid[:, first:]
+
+
+def _right_align(tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's valid entries to its right end, in order (a stable sort on ``valid``)."""
+    order = valid.long().argsort(dim=1, stable=True)
+    return tokens.gather(1, order), valid.gather(1, order)
 
 
 def _root_only(roots: torch.Tensor) -> TokenTree:

@@ -118,6 +118,27 @@ def prepare_pair(target: str, draft: str | None, dtype: str = "float32", device:
     return ModelPair(t, d, tokenizer)
 
 
+def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:
+    """Draft / target bytes of matmul weights (every ``nn.Linear``, the LM head included).
+
+    Decoding a few tokens streams every matmul weight once per forward, so this ratio is a
+    deterministic first guess of the draft forward's cost relative to the target's; it
+    underestimates on small models, whose fixed per-layer overheads weigh more.
+    """
+
+    def linear_bytes(model: torch.nn.Module) -> int:
+        seen: set[int] = set()
+        total = 0
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+                seen.add(id(m.weight))
+                total += m.weight.numel() * m.weight.element_size()
+        return total
+
+    target_bytes = linear_bytes(target)
+    return linear_bytes(draft) / target_bytes if target_bytes else 1.0
+
+
 def _load(path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()

@@ -1,0 +1,159 @@
+"""Cost-aware draft depth: draft one more level only while it pays for itself.
+
+A verify round costs one target forward plus one draft forward per drafted level; in units
+of the target forward it costs ``1 + d * r`` after ``d`` levels, where ``r`` is the draft
+forward's cost relative to the target's (``draft_cost_ratio``). The round yields
+``T = 1 + sum_j q_j`` tokens in expectation, ``q_j`` being the calibrated probability that
+the best depth-``j`` path is accepted (plus the bonus token). Tokens per unit of time are
+``T / (1 + d * r)``; another ``h`` levels add about ``G_h = q_d * (rho_d + rho_d *
+rho_{d+1} + ...)`` tokens, where ``rho_j`` is how much of the path probability typically
+survives one more level (learned online from the draft's own calibrated scores). So a
+request keeps drafting while some look-ahead ``h`` gives
+
+    (T + G_h) / (1 + (d + h) * r)  >  T / (1 + d * r).
+
+Deep drafting therefore continues on predictable text (code, copied spans, arithmetic),
+where the draft's confidence stays high, and stops after one or two levels on open-ended
+text, where every further level is an extra draft forward that rarely lands. ECHO's fixed
+thresholds ask "is the draft sure?"; this asks "is the draft sure enough to be worth its
+forward?", with the draft's price in the question. The cost ratio is a fixed setting, not
+a wall-clock measurement, so every process (tensor-parallel ranks included) and every
+rerun with the same seed builds the same trees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: How much of the path probability one more level keeps, before anything is observed.
+_PRIOR_SURVIVAL = 0.8
+
+
+class DepthBudget:
+    """Per-round draft-depth decisions from the draft's calibrated path scores.
+
+    Call ``continues(depth, q)`` after each drafted level, in order (``depth`` 1 starts a
+    round). ``q`` is ``[bs]``: the calibrated P(accept) of each request's best path at that
+    depth.
+
+    Args:
+        draft_cost_ratio: draft forward time / target verify forward time, > 0.
+        max_depth: the deepest level the drafter may reach (bounds the look-ahead).
+        ema: weight of the past in the running survival ratios ``rho``.
+    """
+
+    def __init__(self, draft_cost_ratio: float, max_depth: int, ema: float = 0.95) -> None:
+        if not draft_cost_ratio > 0:
+            raise ValueError(f"draft_cost_ratio (draft forward / target forward time) must be > 0, got {draft_cost_ratio}")
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {ema}")
+        self.ratio = float(draft_cost_ratio)
+        self.max_depth = max_depth
+        self.ema = ema
+        self.survival = torch.full((max_depth + 1,), _PRIOR_SURVIVAL, dtype=torch.float64)
+        self._path: list[torch.Tensor] = []  # this round's q_1..q_d, each [bs]
+
+    def continues(self, depth: int, q: torch.Tensor) -> torch.Tensor:
+        """``[bs]`` bool: is drafting level ``depth + 1`` expected to raise tokens per second."""
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        q = q.detach().double().cpu().clamp(0.0, 1.0)
+        if depth == 1:
+            self._path = []
+        elif len(self._path) == depth - 1:
+            self._learn_survival(depth - 1, self._path[-1], q)
+        self._path.append(q)
+        if depth >= self.max_depth:
+            return torch.zeros_like(q, dtype=torch.bool)
+        expected = 1.0 + torch.stack(self._path).sum(dim=0)  # [bs] tokens if we stop now
+        cost_now = 1.0 + depth * self.ratio
+        horizon = self.max_depth - depth
+        rho = self.survival[depth : depth + horizon]
+        gains = q.unsqueeze(1) * torch.cumsum(torch.cumprod(rho, dim=0), dim=0).unsqueeze(0)  # [bs, h]
+        costs = cost_now + self.ratio * torch.arange(1, horizon + 1, dtype=torch.float64)
+        better = (expected.unsqueeze(1) + gains) / costs > (expected / cost_now).unsqueeze(1)
+        return better.any(dim=1)
+
+    def _learn_survival(self, depth: int, q_prev: torch.Tensor, q_next: torch.Tensor) -> None:
+        """Update ``rho_depth`` from the requests that drafted past ``depth`` this round."""
+        live = q_prev > 0
+        if q_prev.shape != q_next.shape or not bool(live.any()):
+            return
+        ratio = (q_next[live] / q_prev[live]).clamp(max=1.0).mean()
+        self.survival[depth] = self.ema * self.survival[depth] + (1.0 - self.ema) * ratio
+
+
+class DraftOrRetrieve:
+    """Per round, before any draft forward: is drafting worth its price, or does retrieval
+    alone fill the tree well enough?
+
+    Retrieval costs no model forward, and its nodes carry calibrated P(path accepted)
+    scores, so the sum of the best ``n - 1`` retrieval scores predicts how many tokens
+    beyond the bonus a retrieval-only round yields (the expected size of the accepted path
+    is the sum of its nodes' acceptance probabilities), at the cost of one verify. Those
+    per-node estimates are learned in rounds where drafts sit beside them, so the sum is
+    itself checked against what retrieval-only rounds really yield: the prediction is
+    scaled by ``realised / predicted`` over past skipped rounds. A drafted round yields
+    what drafted rounds have been yielding (a running mean of tokens per round) at
+    ``1 + forwards * draft_cost_ratio``. A request drafts when that rate is higher: copied
+    spans (code, quotes, summaries of the prompt) run on retrieval alone, open text drafts.
+    Until the first drafted round is observed every request drafts.
+
+    The drafter simply reads the tokens it skipped at the start of its next round (one
+    forward over a few tokens costs about as much as over one), so skipping loses nothing
+    but the draft's proposals for that round.
+
+    Args:
+        draft_cost_ratio: draft forward time / target verify forward time, > 0.
+        ema: weight of the past in the running means.
+    """
+
+    def __init__(self, draft_cost_ratio: float, ema: float = 0.9) -> None:
+        if not draft_cost_ratio > 0:
+            raise ValueError(f"draft_cost_ratio (draft forward / target forward time) must be > 0, got {draft_cost_ratio}")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"ema must be in [0, 1), got {ema}")
+        self.ratio = float(draft_cost_ratio)
+        self.ema = ema
+        self.drafted_tokens: float | None = None  # tokens per drafted round (bonus included)
+        self.drafted_forwards: float | None = None  # draft forwards per drafted round
+        # Skipped rounds: predicted and realised tokens beyond the bonus, running sums
+        # that start as one prior round where the prediction came true.
+        self.skipped_predicted = 1.0
+        self.skipped_realised = 1.0
+        self._prediction: float | None = None  # this round's batch-mean prediction
+
+    @property
+    def realism(self) -> float:
+        """Realised / predicted retrieval yield of past skipped rounds."""
+        return self.skipped_realised / self.skipped_predicted
+
+    def wants_draft(self, retrieved_scores: torch.Tensor, valid: torch.Tensor, slots: int) -> torch.Tensor:
+        """``[bs]`` bool from the retrieval proposal's ``[bs, m]`` calibrated scores."""
+        bs = retrieved_scores.shape[0]
+        self._prediction = None
+        if self.drafted_tokens is None or self.drafted_forwards is None:
+            return torch.ones(bs, dtype=torch.bool, device=retrieved_scores.device)
+        scores = torch.where(valid, retrieved_scores.float(), 0.0)
+        predicted = scores.topk(min(slots, scores.shape[1]), dim=1).values.sum(dim=1)
+        drafted_rate = self.drafted_tokens / (1.0 + self.drafted_forwards * self.ratio)
+        draft = (1.0 + self.realism * predicted) < drafted_rate
+        self._prediction = float(predicted.mean())
+        return draft
+
+    def observe(self, tokens_per_request: float, forwards: int) -> None:
+        """Record a verify round: mean tokens emitted per request (bonus included) and the
+        draft forwards it took (0: it ran on retrieval alone)."""
+        e = self.ema
+        if forwards == 0:
+            if self._prediction is not None:
+                self.skipped_predicted = e * self.skipped_predicted + (1.0 - e) * self._prediction
+                self.skipped_realised = e * self.skipped_realised + (1.0 - e) * (tokens_per_request - 1.0)
+        elif self.drafted_tokens is None or self.drafted_forwards is None:
+            self.drafted_tokens, self.drafted_forwards = float(tokens_per_request), float(forwards)
+        else:
+            self.drafted_tokens = e * self.drafted_tokens + (1.0 - e) * tokens_per_request
+            self.drafted_forwards = e * self.drafted_forwards + (1.0 - e) * forwards
+        self._prediction = None
