@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -24,10 +26,18 @@ def _next_logits(model, kv: PaddedKV, tokens: torch.Tensor, valid: torch.Tensor)
     return logits[:, -1]
 
 
-@pytest.mark.parametrize("policy", ["dense", "graft"])
-def test_compacted_caches_equal_a_fresh_forward(pair64, policy):
+@pytest.mark.parametrize(
+    "policy,drafts",
+    [("dense", None), ("graft", None), ("graft", (True, False)), ("graft", (True, False, False, False))],
+)
+def test_compacted_caches_equal_a_fresh_forward(pair64, policy, drafts):
+    """``drafts``: which rounds draft (cycled); in the others the drafter reads nothing and
+    catches up later on every token verified meanwhile (None: the scheduler decides)."""
     target, draft = pair64
     engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=6, draft_depth=3, draft_topk=2))
+    if drafts is not None:
+        decisions = itertools.cycle(drafts)
+        engine.scheduler.wants_draft = lambda retrieved: next(decisions)
     run = engine.start(PROMPTS, max_new_tokens=40)
     for _ in range(4):
         run.round()

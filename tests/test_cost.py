@@ -1,0 +1,114 @@
+"""Cost-aware drafting: the depth budget, the draft-or-retrieve decision, and that a decoder
+which skips drafting in some rounds still decodes exactly like plain greedy."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_graft.cost import DepthBudget, DraftOrRetrieve
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+
+
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda: DepthBudget(0.0, 4), "draft_cost_ratio"),
+        (lambda: DepthBudget(-1.0, 4), "draft_cost_ratio"),
+        (lambda: DepthBudget(0.3, 0), "max_depth"),
+        (lambda: DepthBudget(0.3, 4, ema=1.0), "ema"),
+        (lambda: DraftOrRetrieve(0.0), "draft_cost_ratio"),
+        (lambda: DraftOrRetrieve(0.3, ema=-0.1), "ema"),
+    ],
+)
+def test_bad_settings_name_the_value(make, needle):
+    with pytest.raises(ValueError, match=needle):
+        make()
+
+
+def test_depth_budget_rejects_depth_zero():
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        DepthBudget(0.3, 4).continues(0, torch.tensor([0.5]))
+
+
+def test_depth_budget_extremes():
+    cheap, dear = DepthBudget(1e-6, 6), DepthBudget(50.0, 6)
+    q = torch.tensor([0.9, 0.01])
+    assert cheap.continues(1, q).tolist() == [True, True]  # free drafts always pay
+    assert dear.continues(1, q).tolist() == [False, False]  # a forward 50x the verify never does
+    last = DepthBudget(1e-6, 3)
+    for d in (1, 2):
+        last.continues(d, q)
+    assert last.continues(3, q).tolist() == [False, False]  # nothing deeper than max_depth
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0.05, 2.0), st.floats(0.0, 1.0), st.integers(2, 8))
+def test_depth_budget_matches_the_rate_formula(ratio, q, max_depth):
+    """At depth 1 (survival still its prior 0.8 at every level) the decision is exactly
+    the docstring's inequality, written out here the slow way."""
+    got = bool(DepthBudget(ratio, max_depth).continues(1, torch.tensor([q], dtype=torch.float64)))
+    tokens = 1.0 + q
+    now = tokens / (1 + ratio)
+    later = [
+        (tokens + q * sum(0.8**j for j in range(1, h + 1))) / (1 + (1 + h) * ratio) for h in range(1, max_depth)
+    ]
+    assert got == (max(later) > now)
+
+
+def test_depth_budget_learns_survival():
+    budget = DepthBudget(0.3, 6, ema=0.5)
+    for _ in range(30):
+        budget.continues(1, torch.tensor([0.8, 0.6]))
+        budget.continues(2, torch.tensor([0.4, 0.3]))
+    assert budget.survival[1].item() == pytest.approx(0.5, abs=1e-6)
+    assert budget.survival[2].item() == pytest.approx(0.8)  # never observed: still the prior
+
+
+def test_draft_or_retrieve_compares_rates():
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5)
+    strong = torch.tensor([[0.9, 0.6, 0.3, 0.0]])
+    weak = torch.tensor([[0.1, 0.05, 0.0, 0.0]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    assert gate.wants_draft(weak, valid, 3).tolist() == [True]  # nothing drafted yet: draft
+    gate.observe(3.0, 2)  # drafted: 3 tokens for 1 + 2 * 0.5 = 2 verify units -> 1.5 per unit
+    assert gate.wants_draft(strong, valid, 3).tolist() == [False]  # 1 + 1.8 = 2.8 per unit
+    assert gate.wants_draft(weak, valid, 3).tolist() == [True]  # 1 + 0.15 per unit
+    # Invalid columns count for nothing, and only the best `slots` nodes count.
+    assert gate.wants_draft(strong, torch.tensor([[False, False, True, True]]), 3).tolist() == [True]
+    assert gate.wants_draft(strong, valid, 1).tolist() == [False]  # 1 + 0.9 > 1.5
+
+
+def test_draft_or_retrieve_learns_when_retrieval_disappoints():
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    proposal = torch.tensor([[0.5, 0.4]])  # predicts 0.9 tokens past the bonus
+    gate.observe(3.0, 2)
+    assert gate.wants_draft(proposal, valid, 2).tolist() == [False]
+    for _ in range(10):  # retrieval-only rounds that yield the bonus token alone
+        gate.wants_draft(proposal, valid, 2)
+        gate.observe(1.0, 0)
+    assert gate.realism < 0.01
+    assert gate.wants_draft(proposal, valid, 2).tolist() == [True]
+
+
+@pytest.mark.parametrize("pattern", [(True, False), (True, False, False, False), (True,) + (False,) * 30])
+def test_skipped_draft_rounds_stay_lossless(pattern):
+    """Rounds that skip the draft decode exactly like ``ar`` (that the drafter's cache
+    catches up correctly is checked in test_engine_kv.py)."""
+    torch.set_num_threads(1)
+    target, draft = tiny_models("qwen2", vocab_size=200, seed=3, hidden=32)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 2, 9], [3]]
+    ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 24)
+    engine = SpecEngine(target, draft, EngineConfig(policy="graft", num_nodes=6, draft_depth=3, draft_topk=2))
+    assert engine.scheduler is not None
+    decisions = itertools.cycle(pattern)
+    engine.scheduler.wants_draft = lambda retrieved: next(decisions)
+    out = engine.generate(prompts, 24)
+    assert [r.token_ids for r in out.requests] == [r.token_ids for r in ref.requests]
+    rounds = out.requests[0].rounds
+    assert 0 < out.requests[0].draft_forwards < rounds * 3  # some rounds drafted, some did not
