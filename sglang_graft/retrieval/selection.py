@@ -13,12 +13,12 @@ lets one gather move every field at once.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from sglang_graft.candidates import Candidates
+from sglang_graft.tree import arange_cached
 
 TOKENS, PARENTS, SOURCES, BINS = range(4)
 
@@ -50,14 +50,14 @@ def select_top(packed: PackedCandidates, budget: int | torch.Tensor, width: int)
     # Output column of every input column, behind a sentinel column that maps the root's
     # parent -1 to -1, so remapping the parents is one gather.
     rank_or_root = order.new_full((bs, m + 1), -1)
-    rank_or_root[:, 1:].scatter_(1, order, _arange(m, device).expand(bs, m))
+    rank_or_root[:, 1:].scatter_(1, order, arange_cached(m, device).expand(bs, m))
     top = order[:, :width]
     picked = fields.gather(2, top.unsqueeze(0).expand(4, bs, width))
     tokens = picked[TOKENS]
     keep = tokens >= 0
     if isinstance(budget, torch.Tensor) or budget < width:
         limit = budget.view(bs, 1) if isinstance(budget, torch.Tensor) else budget
-        keep &= _arange(width, device) < limit
+        keep &= arange_cached(width, device) < limit
         tokens = torch.where(keep, tokens, -1)
     return Candidates(
         tokens=tokens,
@@ -67,12 +67,6 @@ def select_top(packed: PackedCandidates, budget: int | torch.Tensor, width: int)
         valid=keep,
         bins=picked[BINS],
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` built once per size and device (read-only: callers only expand it)."""
-    return torch.arange(n, device=device)
 
 
 def budget_list(budget: int | torch.Tensor, bs: int) -> list[int]:
