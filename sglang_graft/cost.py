@@ -19,6 +19,10 @@ thresholds ask "is the draft sure?"; this asks "is the draft sure enough to be w
 forward?", with the draft's price in the question. The cost ratio is a fixed setting, not
 a wall-clock measurement, so every process (tensor-parallel ranks included) and every
 rerun with the same seed builds the same trees.
+
+Both decisions read a few numbers back to the host per draft level (they steer a Python
+draft loop); the reference engine uses them, the SGLang worker, whose draft loop runs in
+CUDA graphs, does not.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ import torch
 
 #: How much of the path probability one more level keeps, before anything is observed.
 _PRIOR_SURVIVAL = 0.8
+
+
+def check_cost_ratio(ratio: float | None) -> None:
+    """Raise ``ValueError`` unless ``ratio`` (draft forward / target verify time) is None or > 0."""
+    if ratio is not None and not ratio > 0:
+        raise ValueError(f"draft_cost_ratio (draft forward / target verify time) must be > 0, got {ratio}")
 
 
 class DepthBudget:
@@ -43,8 +53,7 @@ class DepthBudget:
     """
 
     def __init__(self, draft_cost_ratio: float, max_depth: int, ema: float = 0.95) -> None:
-        if not draft_cost_ratio > 0:
-            raise ValueError(f"draft_cost_ratio (draft forward / target forward time) must be > 0, got {draft_cost_ratio}")
+        check_cost_ratio(draft_cost_ratio)
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         if not 0.0 <= ema < 1.0:
@@ -111,8 +120,7 @@ class DraftOrRetrieve:
     """
 
     def __init__(self, draft_cost_ratio: float, ema: float = 0.9) -> None:
-        if not draft_cost_ratio > 0:
-            raise ValueError(f"draft_cost_ratio (draft forward / target forward time) must be > 0, got {draft_cost_ratio}")
+        check_cost_ratio(draft_cost_ratio)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         self.ratio = float(draft_cost_ratio)

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 import torch
 
 from sglang_graft.candidates import Candidates
-from sglang_graft.cost import DepthBudget, DraftOrRetrieve
+from sglang_graft.cost import DepthBudget, DraftOrRetrieve, check_cost_ratio
 from sglang_graft.graft import GraftResult, graft
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
 from sglang_graft.tree import TokenTree
@@ -79,8 +79,7 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.num_nodes < 2:
             raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {self.num_nodes}")
-        if self.draft_cost_ratio is not None and not self.draft_cost_ratio > 0:
-            raise ValueError(f"draft_cost_ratio must be > 0 (draft forward / target forward time), got {self.draft_cost_ratio}")
+        check_cost_ratio(self.draft_cost_ratio)
         if self.draft_depth < 1:
             raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
 

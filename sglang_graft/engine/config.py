@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sglang_graft.cost import check_cost_ratio
 from sglang_graft.prune import GateConfig
 from sglang_graft.scheduler import POLICIES, SchedulerConfig
 
@@ -42,8 +43,7 @@ class EngineConfig:
             raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
         if self.draft_topk < 1:
             raise ValueError(f"draft_topk must be >= 1, got {self.draft_topk}")
-        if self.draft_cost_ratio is not None and not self.draft_cost_ratio > 0:
-            raise ValueError(f"draft_cost_ratio must be > 0 (draft forward / target forward time), got {self.draft_cost_ratio}")
+        check_cost_ratio(self.draft_cost_ratio)
 
     @property
     def uses_draft(self) -> bool:
