@@ -108,7 +108,10 @@ class DraftOrRetrieve:
     what drafted rounds have been yielding (a running mean of tokens per round) at
     ``1 + forwards * draft_cost_ratio``. A request drafts when that rate is higher: copied
     spans (code, quotes, summaries of the prompt) run on retrieval alone, open text drafts.
-    Until the first drafted round is observed every request drafts.
+    Until the first drafted round is observed every request drafts, and after
+    ``explore_every`` retrieval-only rounds in a row the batch drafts once, so the drafted
+    rate is measured again: one bad stretch (a warm-up, a request the draft could not
+    follow) cannot lock drafting out for good.
 
     The drafter simply reads the tokens it skipped at the start of its next round (one
     forward over a few tokens costs about as much as over one), so skipping loses nothing
@@ -117,14 +120,19 @@ class DraftOrRetrieve:
     Args:
         draft_cost_ratio: draft forward time / target verify forward time, > 0.
         ema: weight of the past in the running means.
+        explore_every: retrieval-only rounds in a row after which the batch drafts (>= 1).
     """
 
-    def __init__(self, draft_cost_ratio: float, ema: float = 0.9) -> None:
+    def __init__(self, draft_cost_ratio: float, ema: float = 0.9, explore_every: int = 8) -> None:
         check_cost_ratio(draft_cost_ratio)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1 round, got {explore_every}")
         self.ratio = float(draft_cost_ratio)
         self.ema = ema
+        self.explore_every = explore_every
+        self.skipped_in_a_row = 0
         self.drafted_tokens: float | None = None  # tokens per drafted round (bonus included)
         self.drafted_forwards: float | None = None  # draft forwards per drafted round
         # Skipped rounds: predicted and realised tokens beyond the bonus, running sums
@@ -142,7 +150,7 @@ class DraftOrRetrieve:
         """``[bs]`` bool from the retrieval proposal's ``[bs, m]`` calibrated scores."""
         bs = retrieved_scores.shape[0]
         self._prediction = None
-        if self.drafted_tokens is None or self.drafted_forwards is None:
+        if self.drafted_tokens is None or self.drafted_forwards is None or self.skipped_in_a_row >= self.explore_every:
             return torch.ones(bs, dtype=torch.bool, device=retrieved_scores.device)
         scores = torch.where(valid, retrieved_scores.float(), 0.0)
         predicted = scores.topk(min(slots, scores.shape[1]), dim=1).values.sum(dim=1)
@@ -155,6 +163,7 @@ class DraftOrRetrieve:
         """Record a verify round: mean tokens emitted per request (bonus included) and the
         draft forwards it took (0: it ran on retrieval alone)."""
         e = self.ema
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if forwards == 0 else 0
         if forwards == 0:
             if self._prediction is not None:
                 self.skipped_predicted = e * self.skipped_predicted + (1.0 - e) * self._prediction

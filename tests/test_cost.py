@@ -23,6 +23,7 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
         (lambda: DepthBudget(0.3, 4, ema=1.0), "ema"),
         (lambda: DraftOrRetrieve(0.0), "draft_cost_ratio"),
         (lambda: DraftOrRetrieve(0.3, ema=-0.1), "ema"),
+        (lambda: DraftOrRetrieve(0.3, explore_every=0), "explore_every"),
     ],
 )
 def test_bad_settings_name_the_value(make, needle):
@@ -84,7 +85,7 @@ def test_draft_or_retrieve_compares_rates():
 
 
 def test_draft_or_retrieve_learns_when_retrieval_disappoints():
-    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5)
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
     valid = torch.ones(1, 2, dtype=torch.bool)
     proposal = torch.tensor([[0.5, 0.4]])  # predicts 0.9 tokens past the bonus
     gate.observe(3.0, 2)
@@ -94,6 +95,22 @@ def test_draft_or_retrieve_learns_when_retrieval_disappoints():
         gate.observe(1.0, 0)
     assert gate.realism < 0.01
     assert gate.wants_draft(proposal, valid, 2).tolist() == [True]
+
+
+def test_draft_or_retrieve_explores_after_a_bad_start():
+    """A drafted round that looked hopeless must not lock drafting out: every
+    ``explore_every`` retrieval-only rounds the batch drafts once and re-measures."""
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=3)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    proposal = torch.tensor([[0.5, 0.4]])
+    gate.observe(1.0, 2)  # a drafted round that yielded the bonus alone: 0.5 per unit
+    decisions = []
+    for _ in range(8):
+        draft = bool(gate.wants_draft(proposal, valid, 2))
+        decisions.append(draft)
+        gate.observe(7.0 if draft else 1.9, 2 if draft else 0)
+    # Skip three, explore (the running mean, 4 tokens for 2 units, now beats 1.9), keep drafting.
+    assert decisions == [False, False, False, True, True, True, True, True]
 
 
 @pytest.mark.parametrize("pattern", [(True, False), (True, False, False, False), (True,) + (False,) * 30])

@@ -13,6 +13,7 @@ anything else is a bug.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,14 +80,7 @@ class _Method:
             self.engine: SpecEngine | None = None
         else:
             self.baseline = None
-            config = EngineConfig(
-                policy=name,
-                num_nodes=settings.engine.num_nodes,
-                draft_depth=settings.engine.draft_depth,
-                draft_topk=settings.engine.draft_topk,
-                gates=settings.engine.gates,
-                draft_cost_ratio=settings.engine.draft_cost_ratio,
-            )
+            config = dataclasses.replace(settings.engine, policy=name)
             self.engine = SpecEngine(pair.target, pair.draft, config, stop_token_ids=pair.stop_token_ids)
 
     def run(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[RequestOutput, float]:
@@ -199,6 +193,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_depth": settings.engine.draft_depth,
         "draft_topk": settings.engine.draft_topk,
         "gates": settings.engine.gates.mode,
+        "draft_cost_ratio": settings.engine.draft_cost_ratio,
         "dtype": dtype,
         "tie_margin": settings.tie_margin,
         "threads": torch.get_num_threads(),

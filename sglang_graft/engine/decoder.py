@@ -121,7 +121,7 @@ class SpecEngine:
         seed: int = 0,
         progress: bool = False,
     ) -> "DecodeRun":
-        """Check the prompts, prefill both caches and return the run, ready for its rounds."""
+        """Check the prompts, prefill the target's cache and return the run, ready for its rounds."""
         self.check_prompts(prompts, max_new_tokens)
         return DecodeRun(self, [list(map(int, p)) for p in prompts], max_new_tokens, sampling, seed, progress)
 
@@ -164,14 +164,13 @@ class DecodeRun:
             self.drafter = ModelDrafter(
                 engine.draft, engine.config.draft_topk, engine.config.draft_depth, engine.vocab_size, bs, device
             )
-            self.drafter.prefill(heads, head_valid)
         if engine.retriever is not None:
             for rid, p in zip(self.rids, prompts):
                 engine.retriever.start_request(rid, p)
         self.roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=device)
-        # Tokens verified since the drafter last read (right-aligned; the last is the root).
-        self.pending = self.roots.unsqueeze(1)
-        self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)
+        # Tokens the drafter has yet to read (right-aligned; the last is the root). It reads
+        # the prompt lazily, at its first draft: rounds that skip drafting cost no draft prefill.
+        self.pending, self.pending_valid = left_pad(prompts, 0, device)
 
     @torch.inference_mode()
     def decode(self) -> None:

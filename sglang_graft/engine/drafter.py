@@ -4,9 +4,10 @@ A ``Drafter`` turns the newly verified tokens of each request into draft ``Candi
 (tokens, parents, raw cumulative draft probabilities). ``ModelDrafter`` does it with a
 smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
 
-1. one forward over the tokens it has not seen yet (last round's accepted tokens and the
-   new root, left-padded across the batch) gives the root's next-token distribution; its
-   top-k are depth 1;
+1. one forward over the tokens it has not read yet (at its first draft the whole prompt;
+   later, the tokens verified since it last drafted; both end with the new root and are
+   left-padded across the batch) gives the root's next-token distribution; its top-k
+   are depth 1;
 2. each further level expands the ``topk`` best nodes of the previous level (by cumulative
    probability) in one forward: all of them at once, with a tree attention mask over the
    draft's own cache (each node sees the verified prefix and its own ancestors only);
@@ -18,7 +19,7 @@ smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
    usually just the new root.
 
 Another drafter (an EAGLE-3 head reading the target's hidden states, say) only has to
-implement the same three methods.
+implement the same two methods.
 """
 
 from __future__ import annotations
@@ -43,11 +44,9 @@ class DraftOutput(NamedTuple):
 class Drafter(Protocol):
     """What the engine needs from a drafter."""
 
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
-        """Read each prompt but its last token (``[bs, q]``, left-padded, ``valid`` marks real ones)."""
-
     def draft(self, tokens: torch.Tensor, valid: torch.Tensor, continues: ContinueFn) -> DraftOutput:
-        """Read the newly verified tokens (the last column is each request's root) and draft."""
+        """Read the tokens not read yet (``[bs, q]``, left-padded, ``valid`` marks real ones;
+        the last column is each request's root; at the first draft, the prompt) and draft."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the requests ``rows`` (finished ones leave the batch)."""
@@ -84,13 +83,6 @@ class ModelDrafter:
         # (-1: the root), fed index of the level's first node). Their KV sits in the cache
         # right after the verified columns, in fed-index order.
         self._fed: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-
-    def prefill(self, tokens: torch.Tensor, valid: torch.Tensor) -> None:
-        if tokens.shape[1] == 0:
-            return
-        offsets, block = causal_block(valid)
-        self.kv.forward(self.model, tokens, self.kv.lengths.unsqueeze(1) + offsets, block, logits_to_keep=1)
-        self.kv.commit(torch.cat([self.kv.valid[:, : -tokens.shape[1]], valid], dim=1))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._drop_tree()
