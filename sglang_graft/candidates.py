@@ -48,6 +48,10 @@ class Candidates:
             learn which of its buckets the target accepts. ``None`` means all zeros.
         depths:  optional ``[bs, m]`` int64 depth below the root (1 for its children), for
             proposers that know it by construction; ``None`` when not given.
+        levels:  optional ``[bs, m]`` int64, for draft candidates: the draft level (1 for
+            the first forward) that proposed the node, which the depth gates cut at; when
+            a draft starts from retrieved nodes, a level-1 node can lie deeper than 1.
+            ``None``: the level is the depth.
     """
 
     tokens: torch.Tensor
@@ -57,6 +61,7 @@ class Candidates:
     valid: torch.Tensor
     bins: torch.Tensor | None = None
     depths: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bins is None:

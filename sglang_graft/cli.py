@@ -65,6 +65,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "when retrieval alone is expected to yield more per unit time (default: the two models' "
                         "weight-size ratio, which underestimates small drafts: measure it, e.g. 0.4 for the "
                         "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU)")
+    p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
+                   help="graft: do not feed the retrieved nodes to the draft model (by default its first "
+                        "forward scores them and drafts below them, at almost no extra cost)")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16", "float64"), default=None,
                    help="model dtype (default: float32 for tiny models and on CPUs without native bf16 "
                         "matmul, where a multi-token bf16 forward costs about as much as one forward per token; "
@@ -141,6 +144,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_topk=args.draft_topk,
         gates=GateConfig(mode=args.gates),
         draft_cost_ratio=args.draft_cost_ratio,
+        seed_draft=args.seed_draft,
     )
 
 

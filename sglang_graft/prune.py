@@ -121,14 +121,16 @@ class ConfidencePruner:
         return self.calibrated(depth_t, best) >= threshold
 
     def prune(self, drafts: Candidates, stop_depth: torch.Tensor) -> Candidates:
-        """Keep draft nodes no deeper than each request's ``stop_depth`` ``[bs]`` and scoring at
-        least ``min_node_score``; scores become calibrated and ``bins`` the confidence bucket."""
+        """Keep draft nodes from levels no deeper than each request's ``stop_depth`` ``[bs]``
+        (``Candidates.levels``, else depths) and scoring at least ``min_node_score``; scores
+        become calibrated and ``bins`` the confidence bucket."""
         depth = drafts.depths if drafts.depths is not None else summarise_paths(drafts).depth
+        level = depth if drafts.levels is None else drafts.levels
         raw = drafts.scores.float()
         scores = self.calibrated(depth, raw)
         keep = (
             drafts.valid
-            & (depth <= stop_depth.view(-1, 1))
+            & (level <= stop_depth.view(-1, 1))
             & (scores >= self.config.min_node_score)
         )
         return Candidates(

@@ -194,6 +194,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_topk": settings.engine.draft_topk,
         "gates": settings.engine.gates.mode,
         "draft_cost_ratio": settings.engine.draft_cost_ratio,
+        "seed_draft": settings.engine.seed_draft,
         "dtype": dtype,
         "tie_margin": settings.tie_margin,
         "threads": torch.get_num_threads(),

@@ -25,6 +25,9 @@ class EngineConfig:
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
             estimates it from the two models' weight sizes.
+        seed_draft: ``graft`` feeds the round's retrieved nodes to the draft model in its
+            first forward (``engine.drafter``): the draft scores them, and drafts below
+            them, at almost no extra cost. False: retrieval only fills the tree afterwards.
     """
 
     policy: str = "graft"
@@ -33,6 +36,7 @@ class EngineConfig:
     draft_topk: int = 4
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
+    seed_draft: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ENGINE_POLICIES:

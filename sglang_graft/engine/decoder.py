@@ -192,7 +192,10 @@ class DecodeRun:
         retrieved = e.scheduler.retrieve(self.rids)
         drafts, gates, forwards = None, [], 0
         if self.drafter is not None and e.scheduler.wants_draft(retrieved):
-            drafts, gates, forwards = self.drafter.draft(self.pending, self.pending_valid, e.scheduler.draft_continues)
+            seeds = retrieved if e.config.seed_draft else None
+            drafts, gates, forwards = self.drafter.draft(
+                self.pending, self.pending_valid, e.scheduler.draft_continues, seeds
+            )
         return e.scheduler.build_tree(self.rids, self.roots, drafts, gates, retrieved).tree, forwards
 
     def verify(self, tree: TokenTree) -> tuple[SampledVerify, torch.Tensor]:

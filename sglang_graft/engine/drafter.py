@@ -7,16 +7,23 @@ smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
 1. one forward over the tokens it has not read yet (at its first draft the whole prompt;
    later, the tokens verified since it last drafted; both end with the new root and are
    left-padded across the batch) gives the root's next-token distribution; its top-k
-   are depth 1;
+   are depth 1. *Seeds* (``graft``: the round's retrieved nodes, a forest below the
+   root) ride along in the same forward under a tree mask: each gets the draft's own
+   score (the product of its probabilities along its path, so drafted and retrieved
+   nodes are judged alike) and its top-k children. A forward over a few more tokens costs
+   about as much as over one, so retrieval deepens the draft tree for free; a root child
+   that repeats a seed is the seed, and is dropped;
 2. each further level expands the ``topk`` best nodes of the previous level (by cumulative
    probability) in one forward: all of them at once, with a tree attention mask over the
    draft's own cache (each node sees the verified prefix and its own ancestors only);
-3. after every level the caller's gate (``continues``) says which requests may go deeper;
-   drafting stops for the batch once none may;
-4. the tree nodes' KV stays until the next round: the fed nodes that lie on the path the
-   target accepted are kept (their KV is exactly a causal forward over that path), the
-   rest dropped, so next round's first forward reads only what the draft never saw,
-   usually just the new root.
+3. after every level the caller's gate (``continues``) says which requests may go deeper
+   (judged on the draft's own chain, as without seeds); drafting stops for the batch once
+   none may. Nodes carry the level that proposed them (``Candidates.levels``), which is
+   where pruning cuts;
+4. the tree nodes' KV stays until the next round: the fed nodes (seeds included) that
+   lie on the path the target accepted are kept (their KV is exactly a causal forward
+   over that path), the rest dropped, so next round's first forward reads only what the
+   draft never saw, usually just the new root.
 
 Another drafter (an EAGLE-3 head reading the target's hidden states, say) only has to
 implement the same two methods.
@@ -29,6 +36,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from sglang_graft.candidates import Candidates, Source
+from sglang_graft.graft import summarise_paths
 from sglang_graft.engine.kv import PaddedKV, causal_block
 
 #: ``continues(depth, level_scores [bs, w]) -> [bs] bool``: may each request draft deeper.
@@ -79,10 +87,11 @@ class ModelDrafter:
         self.depth = depth
         self.vocab_limit = vocab_limit
         self.kv = PaddedKV(batch_size, device)
-        # Tree nodes fed last round, per level: (tokens [bs, w], parent fed index [bs, w]
-        # (-1: the root), fed index of the level's first node). Their KV sits in the cache
-        # right after the verified columns, in fed-index order.
-        self._fed: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        # Tree nodes fed last round, per forward: (tokens [bs, w] (-1: never to match),
+        # parent fed index [bs, w] (-1: the root), depths [bs, w]). Their KV sits in the
+        # cache right after the verified columns, in fed-index order.
+        self._fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._fed_depth = 0  # a bound on the deepest fed node
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._drop_tree()
@@ -96,9 +105,9 @@ class ModelDrafter:
     def _reuse(self, tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the KV of last round's fed nodes that match the newly verified tokens.
 
-        Walks the fed levels once (batched over requests): a node matches when its parent
-        matched and its token is the next verified one. The root (last token) is never
-        matched: its logits are needed. Returns the tokens still to be read.
+        Walks down the fed nodes once (batched over requests): a node matches when its
+        parent matched and its token is the next verified one. The root (last token) is
+        never matched: its logits are needed. Returns the tokens still to be read.
         """
         if not self._fed:
             return tokens, valid
@@ -108,17 +117,18 @@ class ModelDrafter:
         rows = torch.arange(bs, device=device)
         count = valid.sum(dim=1)
         first = q - count
-        num_fed = sum(t.shape[1] for t, _, _ in self._fed)
+        fed_tokens, fed_parents, fed_depths = (torch.cat(f, dim=1) for f in zip(*self._fed))
+        num_fed = fed_tokens.shape[1]
         keep_fed = torch.zeros(bs, num_fed, dtype=torch.bool, device=device)
         cur = torch.full((bs,), -1, dtype=torch.int64, device=device)
         alive = torch.ones(bs, dtype=torch.bool, device=device)
         matched = torch.zeros(bs, dtype=torch.int64, device=device)
-        for level, (lt, lp, start) in enumerate(self._fed):
-            tok = tokens.gather(1, (first + level).clamp(max=q - 1).unsqueeze(1))
-            alive = alive & (level < count - 1)
-            hit = (lp == cur.unsqueeze(1)) & (lt == tok) & alive.unsqueeze(1)
+        for depth in range(1, min(self._fed_depth, q - 1) + 1):
+            tok = tokens.gather(1, (first + depth - 1).clamp(max=q - 1).unsqueeze(1))
+            alive = alive & (depth < count)
+            hit = (fed_depths == depth) & (fed_parents == cur.unsqueeze(1)) & (fed_tokens == tok) & alive.unsqueeze(1)
             found = hit.any(dim=1)
-            idx = hit.long().argmax(dim=1) + start
+            idx = hit.long().argmax(dim=1)
             keep_fed[rows[found], idx[found]] = True
             cur = torch.where(found, idx, cur)
             alive = found
@@ -132,36 +142,80 @@ class ModelDrafter:
         lead = int(live.long().argmax()) if bool(live.any()) else 0
         return tokens[:, lead:], valid[:, lead:]
 
-    def draft(self, tokens: torch.Tensor, valid: torch.Tensor, continues: ContinueFn) -> DraftOutput:
+    def draft(
+        self, tokens: torch.Tensor, valid: torch.Tensor, continues: ContinueFn, seeds: Candidates | None = None
+    ) -> DraftOutput:
         kv = self.kv
         tokens, valid = self._reuse(tokens, valid)
         bs, q = tokens.shape
         k = self.topk
         device = tokens.device
+        seed = _seed_forest(seeds, bs, device)
+        r = seed.tokens.shape[1]
+        # First forward: the unread tokens (causal) and the seed forest below the root.
         offsets, block = causal_block(valid)
-        logits = kv.forward(self.model, tokens, kv.lengths.unsqueeze(1) + offsets, block, logits_to_keep=1)
-        kv.valid[:, -q:] = valid
+        positions = kv.lengths.unsqueeze(1) + offsets
+        read = tokens
+        if r:
+            block = torch.cat(
+                [
+                    torch.cat([block, torch.zeros(bs, q, r, dtype=torch.bool, device=device)], dim=2),
+                    torch.cat([valid.unsqueeze(1).expand(bs, r, q), seed.ancestors], dim=2),
+                ],
+                dim=1,
+            )
+            positions = torch.cat([positions, positions[:, -1:] + seed.depths], dim=1)
+            read = torch.cat([tokens, seed.tokens], dim=1)
+        logits = kv.forward(self.model, read, positions, block, logits_to_keep=r + 1)  # [root, seeds]
+        kv.valid[:, kv.width - q - r : kv.width - r] = valid
         kv.lengths = kv.lengths + valid.sum(dim=1)
-        committed = kv.width
-        probs = self._probs(logits[:, -1])
-        level_scores, level_tokens = probs.topk(min(k, probs.shape[-1]), dim=-1)
-        toks = [level_tokens]
-        scores = [level_scores]
-        parents = [torch.full_like(level_tokens, -1)]
+        committed = kv.width - r
+        probs = self._probs(logits)
+        root_scores, root_tokens = probs[:, 0].topk(min(k, probs.shape[-1]), dim=-1)
+        # A seed's draft score: the product of the draft's probabilities along its path,
+        # each read off its parent's row (the root's is row 0).
+        vocab = probs.shape[-1]
+        step = probs.reshape(bs, -1).gather(1, (seed.parents + 1) * vocab + seed.tokens)
+        seed_scores = (seed.ancestors.float() @ step.clamp(min=1e-30).log().unsqueeze(2)).squeeze(2).exp()
+        seed_scores = torch.where(seed.valid, seed_scores, 0.0)
+        child_p, child_t = probs[:, 1:].topk(min(k, vocab), dim=-1)  # [bs, r, k]
+        kk = root_tokens.shape[1]
+        # The first level: the root's children, then each seed's; a child the seed forest
+        # already holds (same parent, same token) is that seed, so the copy is dropped.
+        level_tokens = torch.cat([root_tokens, child_t.reshape(bs, r * kk)], dim=1)
+        level_scores = torch.cat([root_scores, (seed_scores.unsqueeze(2) * child_p).reshape(bs, r * kk)], dim=1)
+        parent_fed = torch.cat(
+            [torch.full_like(root_tokens, -1), torch.arange(r, device=device).repeat_interleave(kk).expand(bs, r * kk)],
+            dim=1,
+        )
+        level_depths = torch.cat([torch.ones_like(root_tokens), (seed.depths + 1).repeat_interleave(kk, dim=1)], dim=1)
+        copies = (parent_fed.unsqueeze(2) == seed.parents.unsqueeze(1)) & (level_tokens.unsqueeze(2) == seed.tokens.unsqueeze(1))
+        level_valid = torch.cat([torch.ones_like(root_tokens, dtype=torch.bool), seed.valid.repeat_interleave(kk, dim=1)], dim=1)
+        level_valid = level_valid & ~(copies & seed.valid.unsqueeze(1)).any(dim=2)
+        toks, scores, parents, valids = [seed.tokens, level_tokens], [seed_scores, level_scores], [seed.parents, parent_fed], [seed.valid, level_valid]
+        levels = [torch.ones_like(seed.tokens), torch.ones_like(level_tokens)]
+        # Seeds are the first fed nodes (fed index = seed column); invalid ones never match.
+        self._fed = [(torch.where(seed.valid, seed.tokens, -1), seed.parents, seed.depths)] if r else []
+        self._fed_depth = r
+        frontier_depth = r + 1  # deepest node of the current level (a bound)
+        fed_anc = seed.ancestors  # ancestor-or-self among fed nodes
         gates: list[torch.Tensor] = []
         forwards = 1
-        level_start = 0  # candidate column of the current level's first node
-        fed_anc = torch.zeros(bs, 0, 0, dtype=torch.bool, device=device)  # ancestor-or-self among fed nodes
-        parent_fed = torch.full_like(level_tokens, -1)  # fed index of each current-level node's parent
+        level_start = r  # candidate column of the current level's first node
+        # The depth gates judge the draft's own chain, as without seeds (level 1: the
+        # root's children), so seeds add nodes to a round without making it draft deeper.
+        gate_scores = root_scores
         for d in range(2, self.depth + 1):
-            go = continues(d - 1, level_scores)
+            go = continues(d - 1, gate_scores)
             gates.append(go)
             if not bool(go.any()):
                 break
             width = min(k, level_scores.shape[1])
-            best = level_scores.topk(width, dim=1).indices  # [bs, width] local columns
+            best = torch.where(level_valid, level_scores, -1.0).topk(width, dim=1).indices  # [bs, width] local columns
             fed_tokens = level_tokens.gather(1, best)
             fed_scores = level_scores.gather(1, best)
+            fed_valid = level_valid.gather(1, best)
+            fed_depths = level_depths.gather(1, best)
             fed_cols = level_start + best
             # Each fed node sees its parent's ancestors (none when the parent is the root) and itself.
             f = fed_anc.shape[1]
@@ -169,10 +223,10 @@ class ModelDrafter:
             rows = fed_anc.gather(1, par.clamp(min=0).unsqueeze(2).expand(bs, width, f)) & (par >= 0).unsqueeze(2)
             prefix = torch.cat([kv.valid[:, :committed].unsqueeze(1).expand(bs, width, committed), rows], dim=2)
             eye = torch.eye(width, dtype=torch.bool, device=device).expand(bs, width, width)
-            positions = (kv.lengths + d - 2).unsqueeze(1).expand(bs, width)
-            logits = kv.forward(self.model, fed_tokens, positions, eye, prefix_mask=prefix)
+            logits = kv.forward(self.model, fed_tokens, kv.lengths.unsqueeze(1) + fed_depths - 1, eye, prefix_mask=prefix)
             forwards += 1
-            self._fed.append((fed_tokens, par, f))
+            self._fed.append((torch.where(fed_valid, fed_tokens, -1), par, fed_depths))
+            self._fed_depth = max(self._fed_depth, frontier_depth)
             fed_anc = torch.cat(
                 [
                     torch.cat([fed_anc, torch.zeros(bs, f, width, dtype=torch.bool, device=device)], dim=2),
@@ -183,21 +237,46 @@ class ModelDrafter:
             child_p, child_t = self._probs(logits).topk(min(k, self.vocab_limit), dim=-1)  # [bs, width, k]
             kk = child_t.shape[2]
             level_start += level_tokens.shape[1]
+            frontier_depth += 1
             level_tokens = child_t.reshape(bs, width * kk)
             level_scores = (fed_scores.unsqueeze(2) * child_p).reshape(bs, width * kk)
+            level_valid = fed_valid.repeat_interleave(kk, dim=1)
+            level_depths = (fed_depths + 1).repeat_interleave(kk, dim=1)
             parent_fed = (f + torch.arange(width, device=device)).repeat_interleave(kk).expand(bs, width * kk)
             toks.append(level_tokens)
             scores.append(level_scores)
             parents.append(fed_cols.repeat_interleave(kk, dim=1))
+            valids.append(level_valid)
+            levels.append(torch.full_like(level_tokens, d))
+            gate_scores = torch.where(level_valid, level_scores, 0.0)
         tokens_all = torch.cat(toks, dim=1)
         cands = Candidates(
             tokens=tokens_all,
             parents=torch.cat(parents, dim=1),
             scores=torch.cat(scores, dim=1).clamp(0.0, 1.0),
             sources=torch.full_like(tokens_all, int(Source.DRAFT)),
-            valid=torch.ones_like(tokens_all, dtype=torch.bool),
+            valid=torch.cat(valids, dim=1),
+            levels=torch.cat(levels, dim=1),
         )
         return DraftOutput(cands, gates, forwards)
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.softmax(logits[..., : self.vocab_limit].float(), dim=-1)
+
+
+class _SeedForest(NamedTuple):
+    tokens: torch.Tensor  # [bs, r] (0 where invalid, so it can be fed)
+    parents: torch.Tensor  # [bs, r] earlier seed column, or -1 for the root
+    valid: torch.Tensor  # [bs, r] the node and its whole path are valid
+    depths: torch.Tensor  # [bs, r] 1 for children of the root
+    ancestors: torch.Tensor  # [bs, r, r] ancestor-or-self
+
+
+def _seed_forest(seeds: Candidates | None, bs: int, device: torch.device) -> _SeedForest:
+    """The seed nodes in the form the first draft forward feeds them (width 0 for none)."""
+    if seeds is None or seeds.width == 0:
+        z = torch.zeros(bs, 0, dtype=torch.int64, device=device)
+        return _SeedForest(z, z, z.bool(), z, torch.zeros(bs, 0, 0, dtype=torch.bool, device=device))
+    paths = summarise_paths(seeds)
+    valid = seeds.valid & paths.valid
+    return _SeedForest(torch.where(valid, seeds.tokens, 0), seeds.parents, valid, paths.depth, paths.ancestors)
