@@ -67,22 +67,28 @@ def test_seeds_are_scored_and_expanded_like_fresh_forwards(draft64):
         top = probs.topk(2)
         assert cands.parents[0, cols].tolist() == [j, j]
         assert cands.tokens[0, cols].tolist() == top.indices.tolist()
-        torch.testing.assert_close(cands.scores[0, cols].double(), (score * top.values).double(), rtol=1e-5, atol=1e-9)
+        want = (score * top.values).double()
+        torch.testing.assert_close(cands.scores[0, cols].double(), want, rtol=1e-5, atol=1e-9)
     # Seed `a`'s child `b`, if the draft proposes it, repeats seed `b` and is dropped too.
     repeats = (cands.parents[0, 5:7] == 0) & (cands.tokens[0, 5:7] == b)
     assert not bool((cands.valid[0, 5:7] & repeats).any())
     assert cands.levels is not None and cands.levels.eq(1).all()
 
 
+def _count_reads(model, reads: list[int]):
+    return model.register_forward_pre_hook(lambda m, args, kw: reads.append(kw["input_ids"].shape[1]), with_kwargs=True)
+
+
 def test_accepted_seeds_keep_their_kv(draft64):
     a, b, c = 17, 23, 40
     reads: list[int] = []
-    handle = draft64.register_forward_pre_hook(lambda m, args, kw: reads.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    handle = _count_reads(draft64, reads)
     try:
         drafter = ModelDrafter(draft64, topk=2, depth=2, vocab_limit=64, batch_size=1, device="cpu")
         always = lambda d, s: torch.ones(s.shape[0], dtype=torch.bool)  # noqa: E731
         with torch.inference_mode():
-            drafter.draft(torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.bool), always, _seeds([a, b, c], [-1, 0, -1]))
+            prompt, seeds = torch.tensor([PROMPT]), _seeds([a, b, c], [-1, 0, -1])
+            drafter.draft(prompt, torch.ones_like(prompt, dtype=torch.bool), always, seeds)
             # The target accepted seeds a, b and emitted the bonus 5: only 5 is new.
             out = drafter.draft(torch.tensor([[a, b, 5]]), torch.ones(1, 3, dtype=torch.bool), _never)
     finally:
@@ -105,7 +111,7 @@ def test_invalid_seeds_are_neither_proposed_nor_reused(draft64):
         assert out.candidates.scores[0, :2].tolist() == [0.0, 0.0]
         # Verified 17, 23 then 5: nothing fed matches an invalid seed, so all three are read.
         reads: list[int] = []
-        handle = draft64.register_forward_pre_hook(lambda m, args, kw: reads.append(kw["input_ids"].shape[1]), with_kwargs=True)
+        handle = _count_reads(draft64, reads)
         try:
             drafter.draft(torch.tensor([[17, 23, 5]]), torch.ones(1, 3, dtype=torch.bool), _never)
         finally:

@@ -101,6 +101,7 @@ class ModelDrafter:
         if self._fed:
             self.kv.commit(self.kv.valid.clone())
             self._fed = []
+            self._fed_depth = 0
 
     def _reuse(self, tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the KV of last round's fed nodes that match the newly verified tokens.
@@ -189,10 +190,14 @@ class ModelDrafter:
             dim=1,
         )
         level_depths = torch.cat([torch.ones_like(root_tokens), (seed.depths + 1).repeat_interleave(kk, dim=1)], dim=1)
-        copies = (parent_fed.unsqueeze(2) == seed.parents.unsqueeze(1)) & (level_tokens.unsqueeze(2) == seed.tokens.unsqueeze(1))
-        level_valid = torch.cat([torch.ones_like(root_tokens, dtype=torch.bool), seed.valid.repeat_interleave(kk, dim=1)], dim=1)
+        copies = (parent_fed.unsqueeze(2) == seed.parents.unsqueeze(1)) & (
+            level_tokens.unsqueeze(2) == seed.tokens.unsqueeze(1)
+        )
+        root_valid = torch.ones_like(root_tokens, dtype=torch.bool)
+        level_valid = torch.cat([root_valid, seed.valid.repeat_interleave(kk, dim=1)], dim=1)
         level_valid = level_valid & ~(copies & seed.valid.unsqueeze(1)).any(dim=2)
-        toks, scores, parents, valids = [seed.tokens, level_tokens], [seed_scores, level_scores], [seed.parents, parent_fed], [seed.valid, level_valid]
+        toks, scores = [seed.tokens, level_tokens], [seed_scores, level_scores]
+        parents, valids = [seed.parents, parent_fed], [seed.valid, level_valid]
         levels = [torch.ones_like(seed.tokens), torch.ones_like(level_tokens)]
         # Seeds are the first fed nodes (fed index = seed column); invalid ones never match.
         self._fed = [(torch.where(seed.valid, seed.tokens, -1), seed.parents, seed.depths)] if r else []
@@ -223,7 +228,8 @@ class ModelDrafter:
             rows = fed_anc.gather(1, par.clamp(min=0).unsqueeze(2).expand(bs, width, f)) & (par >= 0).unsqueeze(2)
             prefix = torch.cat([kv.valid[:, :committed].unsqueeze(1).expand(bs, width, committed), rows], dim=2)
             eye = torch.eye(width, dtype=torch.bool, device=device).expand(bs, width, width)
-            logits = kv.forward(self.model, fed_tokens, kv.lengths.unsqueeze(1) + fed_depths - 1, eye, prefix_mask=prefix)
+            positions = kv.lengths.unsqueeze(1) + fed_depths - 1
+            logits = kv.forward(self.model, fed_tokens, positions, eye, prefix_mask=prefix)
             forwards += 1
             self._fed.append((torch.where(fed_valid, fed_tokens, -1), par, fed_depths))
             self._fed_depth = max(self._fed_depth, frontier_depth)
