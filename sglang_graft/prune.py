@@ -123,11 +123,13 @@ class ConfidencePruner:
     def prune(self, drafts: Candidates, stop_depth: torch.Tensor) -> Candidates:
         """Keep draft nodes from levels no deeper than each request's ``stop_depth`` ``[bs]``
         (``Candidates.levels``, else depths) and scoring at least ``min_node_score``; scores
-        become calibrated and ``bins`` the confidence bucket."""
+        become calibrated and the ``bins`` of draft-sourced nodes the confidence bucket
+        (retrieved seeds the draft scored keep their source's bin, which teaches that source)."""
         depth = drafts.depths if drafts.depths is not None else summarise_paths(drafts).depth
         level = depth if drafts.levels is None else drafts.levels
         raw = drafts.scores.float()
         scores = self.calibrated(depth, raw)
+        is_draft = drafts.sources == int(Source.DRAFT)
         keep = (
             drafts.valid
             & (level <= stop_depth.view(-1, 1))
@@ -139,7 +141,7 @@ class ConfidencePruner:
             scores=scores.clamp(0.0, 1.0),
             sources=drafts.sources,
             valid=keep,
-            bins=confidence_bins(raw, self.config.num_bins),
+            bins=torch.where(is_draft, confidence_bins(raw, self.config.num_bins), drafts.bins),
             depths=depth,
         )
 

@@ -37,6 +37,7 @@ def _seeds(tokens: list[int], parents: list[int], valid: list[bool] | None = Non
         scores=torch.full(t.shape, 0.5),
         sources=torch.full(t.shape, int(Source.CONTEXT)),
         valid=torch.tensor([valid or [True] * len(tokens)]),
+        bins=torch.arange(5, 5 + len(tokens)).view(1, -1),
     )
 
 
@@ -73,6 +74,10 @@ def test_seeds_are_scored_and_expanded_like_fresh_forwards(draft64):
     repeats = (cands.parents[0, 5:7] == 0) & (cands.tokens[0, 5:7] == b)
     assert not bool((cands.valid[0, 5:7] & repeats).any())
     assert cands.levels is not None and cands.levels.eq(1).all()
+    # Seeds keep the retrieval source and bin that proposed them; the rest is the draft's.
+    assert cands.sources[0, :3].tolist() == [int(Source.CONTEXT)] * 3
+    assert cands.bins[0, :3].tolist() == [5, 6, 7]
+    assert cands.sources[0, 3:].eq(int(Source.DRAFT)).all()
 
 
 def _count_reads(model, reads: list[int]):
@@ -146,3 +151,24 @@ def test_depth_gates_cut_at_the_drafting_level_not_the_depth():
     )
     kept = ConfidencePruner(GateConfig(mode="fixed")).prune(drafts, torch.tensor([1]))
     assert kept.valid.tolist() == [[True, True, True, False]]
+
+
+def test_pruning_keeps_the_bins_of_retrieved_seeds():
+    """Draft nodes get their confidence bucket; a seed keeps its retrieval bin (its source learns from it)."""
+    from sglang_graft.calibration import confidence_bins
+    from sglang_graft.prune import ConfidencePruner, GateConfig
+
+    t = torch.tensor([[4, 5, 6]])
+    raw = torch.tensor([[0.9, 0.5, 0.05]])
+    drafts = Candidates(
+        tokens=t,
+        parents=torch.tensor([[-1, 0, -1]]),
+        scores=raw,
+        sources=torch.tensor([[int(Source.CONTEXT), int(Source.DRAFT), int(Source.RECYCLING)]]),
+        valid=torch.ones(t.shape, dtype=torch.bool),
+        bins=torch.tensor([[11, 0, 3]]),
+    )
+    pruner = ConfidencePruner(GateConfig(mode="fixed"))
+    kept = pruner.prune(drafts, torch.tensor([3]))
+    draft_bin = int(confidence_bins(raw, pruner.config.num_bins)[0, 1])
+    assert kept.bins.tolist() == [[11, draft_bin, 3]]

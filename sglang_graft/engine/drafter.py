@@ -12,7 +12,9 @@ smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
    score (the product of its probabilities along its path, so drafted and retrieved
    nodes are judged alike) and its top-k children. A forward over a few more tokens costs
    about as much as over one, so retrieval deepens the draft tree for free; a root child
-   that repeats a seed is the seed, and is dropped;
+   that repeats a seed is the seed, and is dropped. Seeds keep their retrieval source and
+   bin, so their verify outcomes keep calibrating retrieval (which decides whether the
+   next rounds draft at all) and the statistics credit the source that found them;
 2. each further level expands the ``topk`` best nodes of the previous level (by cumulative
    probability) in one forward: all of them at once, with a tree attention mask over the
    draft's own cache (each node sees the verified prefix and its own ancestors only);
@@ -199,6 +201,8 @@ class ModelDrafter:
         toks, scores = [seed.tokens, level_tokens], [seed_scores, level_scores]
         parents, valids = [seed.parents, parent_fed], [seed.valid, level_valid]
         levels = [torch.ones_like(seed.tokens), torch.ones_like(level_tokens)]
+        draft_source = torch.full_like(level_tokens, int(Source.DRAFT))
+        sources, bins = [seed.sources, draft_source], [seed.bins, torch.zeros_like(level_tokens)]
         # Seeds are the first fed nodes (fed index = seed column); invalid ones never match.
         self._fed = [(torch.where(seed.valid, seed.tokens, -1), seed.parents, seed.depths)] if r else []
         self._fed_depth = r
@@ -254,14 +258,17 @@ class ModelDrafter:
             parents.append(fed_cols.repeat_interleave(kk, dim=1))
             valids.append(level_valid)
             levels.append(torch.full_like(level_tokens, d))
+            sources.append(torch.full_like(level_tokens, int(Source.DRAFT)))
+            bins.append(torch.zeros_like(level_tokens))
             gate_scores = torch.where(level_valid, level_scores, 0.0)
         tokens_all = torch.cat(toks, dim=1)
         cands = Candidates(
             tokens=tokens_all,
             parents=torch.cat(parents, dim=1),
             scores=torch.cat(scores, dim=1).clamp(0.0, 1.0),
-            sources=torch.full_like(tokens_all, int(Source.DRAFT)),
+            sources=torch.cat(sources, dim=1),
             valid=torch.cat(valids, dim=1),
+            bins=torch.cat(bins, dim=1),
             levels=torch.cat(levels, dim=1),
         )
         return DraftOutput(cands, gates, forwards)
@@ -276,13 +283,17 @@ class _SeedForest(NamedTuple):
     valid: torch.Tensor  # [bs, r] the node and its whole path are valid
     depths: torch.Tensor  # [bs, r] 1 for children of the root
     ancestors: torch.Tensor  # [bs, r, r] ancestor-or-self
+    sources: torch.Tensor  # [bs, r] the retrieval source that proposed each seed
+    bins: torch.Tensor  # [bs, r] and its calibration bin there
 
 
 def _seed_forest(seeds: Candidates | None, bs: int, device: torch.device) -> _SeedForest:
     """The seed nodes in the form the first draft forward feeds them (width 0 for none)."""
     if seeds is None or seeds.width == 0:
         z = torch.zeros(bs, 0, dtype=torch.int64, device=device)
-        return _SeedForest(z, z, z.bool(), z, torch.zeros(bs, 0, 0, dtype=torch.bool, device=device))
+        return _SeedForest(z, z, z.bool(), z, torch.zeros(bs, 0, 0, dtype=torch.bool, device=device), z, z)
     paths = summarise_paths(seeds)
     valid = seeds.valid & paths.valid
-    return _SeedForest(torch.where(valid, seeds.tokens, 0), seeds.parents, valid, paths.depth, paths.ancestors)
+    return _SeedForest(
+        torch.where(valid, seeds.tokens, 0), seeds.parents, valid, paths.depth, paths.ancestors, seeds.sources, seeds.bins
+    )
