@@ -201,8 +201,8 @@ class ModelDrafter:
         toks, scores = [seed.tokens, level_tokens], [seed_scores, level_scores]
         parents, valids = [seed.parents, parent_fed], [seed.valid, level_valid]
         levels = [torch.ones_like(seed.tokens), torch.ones_like(level_tokens)]
-        draft_source = torch.full_like(level_tokens, int(Source.DRAFT))
-        sources, bins = [seed.sources, draft_source], [seed.bins, torch.zeros_like(level_tokens)]
+        sources = [seed.sources, torch.full_like(level_tokens, int(Source.DRAFT))]
+        bins = [seed.bins, torch.zeros_like(level_tokens)]  # draft bins: set by pruning
         # Seeds are the first fed nodes (fed index = seed column); invalid ones never match.
         self._fed = [(torch.where(seed.valid, seed.tokens, -1), seed.parents, seed.depths)] if r else []
         self._fed_depth = r
