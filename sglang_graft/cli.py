@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--policies", default="ar,dense,pruned,retrieval,graft,hf-assisted,hf-pld",
                    help="comma-separated methods (ar required; hf-assisted, hf-pld are transformers' baselines)")
     b.add_argument("--per-category", type=_positive("--per-category"), default=3, help="questions per category (default 3)")
+    b.add_argument("--categories", default=None, metavar="LIST",
+                   help="comma-separated categories to run (default all: mt_bench, translation, summarization, "
+                        "qa, math_reasoning, rag)")
     b.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=128)
     b.add_argument("--tie-margin", type=float, default=None,
                    help="largest ar top-2 logit margin counted as a numeric near-tie (default by dtype)")
@@ -239,12 +242,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dtype_guess = args.dtype or default_dtype(args.target, args.device)
     tie = args.tie_margin if args.tie_margin is not None else TIE_MARGINS[dtype_guess]
     settings = BenchSettings(methods, args.max_new_tokens, engine_config, tie)
-    questions = load_questions(args.questions, args.per_category)
+    categories = None if args.categories is None else [c.strip() for c in args.categories.split(",") if c.strip()]
+    questions = load_questions(args.questions, args.per_category, categories)
     needs_draft = any(m in ("dense", "pruned", "graft", "hf-assisted") for m in methods)
     pair, dtype = _setup(args, needs_draft)
     start = time.perf_counter()
     run = run_bench(pair, questions, settings, chat=not args.no_chat_template, progress=True)
     results = summarise(run, bench_meta(pair, settings, args.questions, dtype))
+    results["meta"]["categories"] = list(dict.fromkeys(q.category for q in questions))
     results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
     paths = write_results(results, args.out)
     with open(paths[1], encoding="utf-8") as f:

@@ -115,6 +115,20 @@ def test_bench_writes_results(tmp_path, capsys):
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_questions_by_category(tmp_path):
+    from sglang_graft.engine.prompts import load_questions
+
+    q = tmp_path / "q.jsonl"
+    rows = [("writing", "a"), ("summarization", "b"), ("coding", "c"), ("qa", "d"), ("summarization", "e")]
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, (c, t) in enumerate(rows)))
+    picked = load_questions(str(q), per_category=1, categories=["summarization", "mt_bench"])
+    assert [(x.category, x.text) for x in picked] == [("mt_bench", "a"), ("summarization", "b")]
+    with pytest.raises(ValueError, match=r"no category \['rag'\]; it holds \['mt_bench', 'summarization', 'qa'\]"):
+        load_questions(str(q), categories=["qa", "rag"])
+    with pytest.raises(ValueError, match="names no category"):
+        load_questions(str(q), categories=[])
+
+
 def test_bench_rejects_unknown_policy_before_loading(tmp_path, capsys):
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hi"]}) + "\n")

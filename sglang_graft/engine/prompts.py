@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -24,17 +25,24 @@ class Question:
     text: str
 
 
-def load_questions(path: str, per_category: int | None = None) -> list[Question]:
-    """The first turn of every question (the first ``per_category`` of each category).
+def load_questions(
+    path: str, per_category: int | None = None, categories: Sequence[str] | None = None
+) -> list[Question]:
+    """The first turn of every question (the first ``per_category`` of each category, and
+    only of ``categories`` when given: Spec-Bench's MT-bench categories count as ``mt_bench``).
 
-    Raises ``ValueError`` naming the file and line of anything malformed.
+    Raises ``ValueError`` naming the file and line of anything malformed, and naming the
+    categories the file holds when one asked for is not among them.
     """
     if per_category is not None and per_category < 1:
         raise ValueError(f"--per-category must be >= 1, got {per_category}")
+    if categories is not None and not categories:
+        raise ValueError("--categories names no category (leave it out to run them all)")
     if not os.path.isfile(path):
         raise ValueError(f"questions file {path!r} does not exist")
     out: list[Question] = []
     taken: dict[str, int] = {}
+    seen: dict[str, None] = {}  # every category of the file, in file order
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -48,10 +56,16 @@ def load_questions(path: str, per_category: int | None = None) -> list[Question]
                     f"{{'question_id', 'category', 'turns': [...]}}: {exc}"
                 ) from None
             group = "mt_bench" if category in MT_BENCH else category
+            seen.setdefault(group, None)
+            if categories is not None and group not in categories:
+                continue
             if per_category is not None and taken.get(group, 0) >= per_category:
                 continue
             taken[group] = taken.get(group, 0) + 1
             out.append(Question(qid, group, str(text)))
+    missing = [c for c in categories or () if c not in seen]
+    if missing:
+        raise ValueError(f"questions file {path!r} has no category {missing}; it holds {list(seen)}")
     if not out:
         raise ValueError(f"questions file {path!r} holds no questions")
     return out
