@@ -201,8 +201,6 @@ class ModelDrafter:
         toks, scores = [seed.tokens, level_tokens], [seed_scores, level_scores]
         parents, valids = [seed.parents, parent_fed], [seed.valid, level_valid]
         levels = [torch.ones_like(seed.tokens), torch.ones_like(level_tokens)]
-        sources = [seed.sources, torch.full_like(level_tokens, int(Source.DRAFT))]
-        bins = [seed.bins, torch.zeros_like(level_tokens)]  # draft bins: set by pruning
         # Seeds are the first fed nodes (fed index = seed column); invalid ones never match.
         self._fed = [(torch.where(seed.valid, seed.tokens, -1), seed.parents, seed.depths)] if r else []
         self._fed_depth = r
@@ -258,17 +256,18 @@ class ModelDrafter:
             parents.append(fed_cols.repeat_interleave(kk, dim=1))
             valids.append(level_valid)
             levels.append(torch.full_like(level_tokens, d))
-            sources.append(torch.full_like(level_tokens, int(Source.DRAFT)))
-            bins.append(torch.zeros_like(level_tokens))
             gate_scores = torch.where(level_valid, level_scores, 0.0)
         tokens_all = torch.cat(toks, dim=1)
+        # The first ``r`` columns are the seeds, with their retrieval source and bin; every
+        # other node is the draft's (its bin is set by pruning).
+        drafted = tokens_all[:, r:]
         cands = Candidates(
             tokens=tokens_all,
             parents=torch.cat(parents, dim=1),
             scores=torch.cat(scores, dim=1).clamp(0.0, 1.0),
-            sources=torch.cat(sources, dim=1),
+            sources=torch.cat([seed.sources, torch.full_like(drafted, int(Source.DRAFT))], dim=1),
             valid=torch.cat(valids, dim=1),
-            bins=torch.cat(bins, dim=1),
+            bins=torch.cat([seed.bins, torch.zeros_like(drafted)], dim=1),
             levels=torch.cat(levels, dim=1),
         )
         return DraftOutput(cands, gates, forwards)
