@@ -113,25 +113,39 @@ class DraftOrRetrieve:
     rate is measured again: one bad stretch (a warm-up, a request the draft could not
     follow) cannot lock drafting out for good.
 
-    The drafter simply reads the tokens it skipped at the start of its next round (one
-    forward over a few tokens costs about as much as over one), so skipping loses nothing
-    but the draft's proposals for that round.
+    The drafter reads the tokens it skipped at the start of its next round. A few tokens
+    cost about as much as one, but a drafter that has not read the prompt yet (the drafted
+    rate is learned across requests, so a new request may start on retrieval alone) must
+    prefill all of it first, which on a long prompt costs many verify steps: a request's
+    drafted rate is charged ``read_cost * draft_cost_ratio`` verify units per unread token,
+    spread over ``explore_every`` rounds (the prefill pays off over the rounds after it,
+    which the drafted rate does not see). Summaries of a long prompt thus stay on
+    retrieval, which copies them well, instead of paying a draft prefill to explore.
+    Exploration rounds draft every request whose prefill costs under one draft forward
+    (its drafter is warm); a cold one drafts only when the rates say so.
 
     Args:
         draft_cost_ratio: draft forward time / target verify forward time, > 0.
         ema: weight of the past in the running means.
         explore_every: retrieval-only rounds in a row after which the batch drafts (>= 1).
+        read_cost: draft forwards one unread token adds to a draft forward (>= 0; a
+            prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards).
     """
 
-    def __init__(self, draft_cost_ratio: float, ema: float = 0.9, explore_every: int = 8) -> None:
+    def __init__(
+        self, draft_cost_ratio: float, ema: float = 0.9, explore_every: int = 8, read_cost: float = 0.015
+    ) -> None:
         check_cost_ratio(draft_cost_ratio)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1 round, got {explore_every}")
+        if not read_cost >= 0.0:
+            raise ValueError(f"read_cost (draft forwards per unread token) must be >= 0, got {read_cost}")
         self.ratio = float(draft_cost_ratio)
         self.ema = ema
         self.explore_every = explore_every
+        self.read_cost = float(read_cost)
         self.skipped_in_a_row = 0
         self.drafted_tokens: float | None = None  # tokens per drafted round (bonus included)
         self.drafted_forwards: float | None = None  # draft forwards per drafted round
@@ -146,17 +160,26 @@ class DraftOrRetrieve:
         """Realised / predicted retrieval yield of past skipped rounds."""
         return self.skipped_realised / self.skipped_predicted
 
-    def wants_draft(self, retrieved_scores: torch.Tensor, valid: torch.Tensor, slots: int) -> torch.Tensor:
-        """``[bs]`` bool from the retrieval proposal's ``[bs, m]`` calibrated scores."""
+    def wants_draft(
+        self, retrieved_scores: torch.Tensor, valid: torch.Tensor, slots: int, unread: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[bs]`` bool from the retrieval proposal's ``[bs, m]`` calibrated scores and the
+        ``[bs]`` tokens each request's drafter has yet to read (None: a few, uncharged)."""
         bs = retrieved_scores.shape[0]
+        device = retrieved_scores.device
         self._prediction = None
-        if self.drafted_tokens is None or self.drafted_forwards is None or self.skipped_in_a_row >= self.explore_every:
-            return torch.ones(bs, dtype=torch.bool, device=retrieved_scores.device)
+        if self.drafted_tokens is None or self.drafted_forwards is None:
+            return torch.ones(bs, dtype=torch.bool, device=device)
+        charge = torch.zeros(bs, dtype=torch.float64, device=device)
+        if unread is not None:
+            charge = unread.to(device=device, dtype=torch.float64) * (self.read_cost * self.ratio / self.explore_every)
         scores = torch.where(valid, retrieved_scores.float(), 0.0)
         predicted = scores.topk(min(slots, scores.shape[1]), dim=1).values.sum(dim=1)
-        drafted_rate = self.drafted_tokens / (1.0 + self.drafted_forwards * self.ratio)
+        drafted_rate = self.drafted_tokens / (1.0 + self.drafted_forwards * self.ratio + charge)
         draft = (1.0 + self.realism * predicted) < drafted_rate
         self._prediction = float(predicted.mean())
+        if self.skipped_in_a_row >= self.explore_every:
+            draft |= charge * self.explore_every < self.ratio
         return draft
 
     def observe(self, tokens_per_request: float, forwards: int) -> None:

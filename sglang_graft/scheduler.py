@@ -140,18 +140,20 @@ class GraftScheduler:
         assert self.retriever is not None
         return self.retriever.propose(rids, self.config.num_nodes - 1)
 
-    def wants_draft(self, retrieved: Candidates | None) -> bool:
+    def wants_draft(self, retrieved: Candidates | None, unread: torch.Tensor | None = None) -> bool:
         """Before any draft forward: should the batch draft this round?
 
         Always for ``dense`` and ``pruned``; for ``graft`` with a draft cost, unless
         retrieval alone is expected to yield more tokens per unit of time for every request
-        (``sglang_graft.cost.DraftOrRetrieve``).
+        (``sglang_graft.cost.DraftOrRetrieve``), counting the ``[bs]`` ``unread`` tokens
+        each drafter would read first (a prompt it has not prefilled yet).
         """
         if not self.config.uses_draft:
             return False
         if self.draft_gate is None or retrieved is None:
             return True
-        return bool(self.draft_gate.wants_draft(retrieved.scores, retrieved.valid, self.config.num_nodes - 1).any())
+        slots = self.config.num_nodes - 1
+        return bool(self.draft_gate.wants_draft(retrieved.scores, retrieved.valid, slots, unread).any())
 
     def build_tree(
         self,

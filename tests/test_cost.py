@@ -24,6 +24,7 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
         (lambda: DraftOrRetrieve(0.0), "draft_cost_ratio"),
         (lambda: DraftOrRetrieve(0.3, ema=-0.1), "ema"),
         (lambda: DraftOrRetrieve(0.3, explore_every=0), "explore_every"),
+        (lambda: DraftOrRetrieve(0.3, read_cost=-1.0), "read_cost"),
     ],
 )
 def test_bad_settings_name_the_value(make, needle):
@@ -113,6 +114,25 @@ def test_draft_or_retrieve_explores_after_a_bad_start():
     assert decisions == [False, False, False, True, True, True, True, True]
 
 
+def test_draft_or_retrieve_charges_an_unread_prompt():
+    """A drafter that would first prefill a long prompt is charged for it: the request that
+    has read everything drafts, the one with 2000 unread tokens stays on retrieval, and an
+    exploration round drafts only the warm one."""
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=4, read_cost=0.03)
+    gate.observe(3.0, 2)  # drafted: 3 tokens for 2 verify units
+    proposal = torch.tensor([[0.2, 0.1], [0.2, 0.1]])  # retrieval alone: 1.3 tokens per unit
+    valid = torch.ones(2, 2, dtype=torch.bool)
+    unread = torch.tensor([1, 2000])
+    # Cold: 2000 * 0.03 * 0.5 / 4 = 7.5 more units per round -> 3 / 9.5 per unit.
+    assert gate.wants_draft(proposal, valid, 2, unread).tolist() == [True, False]
+    assert gate.wants_draft(proposal, valid, 2).tolist() == [True, True]  # None: nothing charged
+    strong = torch.tensor([[0.9, 0.8], [0.9, 0.8]])  # 2.7 per unit: both skip
+    for _ in range(4):
+        assert gate.wants_draft(strong, valid, 2, unread).tolist() == [False, False]
+        gate.observe(2.7, 0)
+    assert gate.wants_draft(strong, valid, 2, unread).tolist() == [True, False]  # explore the warm one
+
+
 @pytest.mark.parametrize("pattern", [(True, False), (True, False, False, False), (True,) + (False,) * 30])
 def test_skipped_draft_rounds_stay_lossless(pattern):
     """Rounds that skip the draft decode exactly like ``ar`` (that the drafter's cache
@@ -124,7 +144,7 @@ def test_skipped_draft_rounds_stay_lossless(pattern):
     engine = SpecEngine(target, draft, EngineConfig(policy="graft", num_nodes=6, draft_depth=3, draft_topk=2))
     assert engine.scheduler is not None
     decisions = itertools.cycle(pattern)
-    engine.scheduler.wants_draft = lambda retrieved: next(decisions)
+    engine.scheduler.wants_draft = lambda retrieved, unread: next(decisions)
     out = engine.generate(prompts, 24)
     assert [r.token_ids for r in out.requests] == [r.token_ids for r in ref.requests]
     rounds = out.requests[0].rounds

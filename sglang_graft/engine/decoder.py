@@ -191,7 +191,7 @@ class DecodeRun:
             return _root_only(self.roots), 0
         retrieved = e.scheduler.retrieve(self.rids)
         drafts, gates, forwards = None, [], 0
-        if self.drafter is not None and e.scheduler.wants_draft(retrieved):
+        if self.drafter is not None and e.scheduler.wants_draft(retrieved, self.pending_valid.sum(dim=1)):
             seeds = retrieved if e.config.seed_draft else None
             drafts, gates, forwards = self.drafter.draft(
                 self.pending, self.pending_valid, e.scheduler.draft_continues, seeds
