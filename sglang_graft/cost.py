@@ -94,11 +94,6 @@ class DepthBudget:
         self.survival[depth] = self.ema * self.survival[depth] + (1.0 - self.ema) * ratio
 
 
-#: Edges of the buckets of retrieval's predicted yield (tokens past the bonus) that the
-#: draft's marginal gain is learned in: the draft adds most where retrieval is weak.
-_GAIN_EDGES = (0.5, 1.0, 2.0, 3.0, 4.0)
-
-
 class DraftOrRetrieve:
     """Per round, before any draft forward: is drafting worth its price, or does retrieval
     alone fill the tree well enough?
@@ -106,26 +101,26 @@ class DraftOrRetrieve:
     Retrieval costs no model forward, and its nodes carry calibrated P(path accepted)
     scores, so the sum of the best ``n - 1`` retrieval scores predicts how many tokens
     beyond the bonus a retrieval-only round yields (the expected size of the accepted path
-    is the sum of its nodes' acceptance probabilities). That prediction is checked against
-    what retrieval-only rounds really yield: it is scaled by ``realised / predicted`` over
-    past skipped rounds. A drafted round's tree holds the same retrieved nodes plus the
-    draft's, so what drafting buys is its *gain*: the tokens a drafted round yields beyond
-    that retrieval-only prediction. The gain is learned from drafted rounds per bucket of
-    the prediction (``_GAIN_EDGES``), because it depends on it: where retrieval already
-    copies a span the draft adds little, where retrieval is dry it adds the most. A request
-    drafts when ``(1 + yield + gain) / (1 + forwards * draft_cost_ratio)`` beats
-    ``1 + yield`` per verify: copied spans (code, quotes, summaries of the prompt) run on
-    retrieval alone, open text drafts. Until the first drafted round is observed every
-    request drafts, and after ``explore_every`` retrieval-only rounds in a row the batch
-    drafts once, so the gain is measured again: one bad stretch (a warm-up, a request the
-    draft could not follow) cannot lock drafting out for good.
+    is the sum of its nodes' acceptance probabilities), at the cost of one verify. Those
+    per-node estimates are learned in rounds where drafts sit beside them, so the sum is
+    itself checked against what retrieval-only rounds really yield: the prediction is
+    scaled by ``realised / predicted`` over past skipped rounds. A drafted round yields
+    what drafted rounds have been yielding (a running mean of tokens per round) at
+    ``1 + forwards * draft_cost_ratio``. A request drafts when that rate is higher: copied
+    spans (code, quotes, summaries of the prompt) run on retrieval alone, open text drafts.
+    Until the first drafted round is observed every request drafts, and after
+    ``explore_every`` retrieval-only rounds in a row the batch drafts once, so the drafted
+    rate is measured again: one bad stretch (a warm-up, a request the draft could not
+    follow) cannot lock drafting out for good.
 
     The drafter reads the tokens it skipped at the start of its next round. A few tokens
-    cost about as much as one, but a drafter that has not read the prompt yet (the gain is
-    learned across requests, so a new request may start on retrieval alone) must prefill
-    all of it first, which on a long prompt costs many verify steps: a request's drafted
-    round is charged ``read_cost * draft_cost_ratio`` verify units per unread token, spread
-    over ``explore_every`` rounds (the prefill pays off over the rounds after it).
+    cost about as much as one, but a drafter that has not read the prompt yet (the drafted
+    rate is learned across requests, so a new request may start on retrieval alone) must
+    prefill all of it first, which on a long prompt costs many verify steps: a request's
+    drafted rate is charged ``read_cost * draft_cost_ratio`` verify units per unread token,
+    spread over ``explore_every`` rounds (the prefill pays off over the rounds after it,
+    which the drafted rate does not see). Summaries of a long prompt thus stay on
+    retrieval, which copies them well, instead of paying a draft prefill to explore.
     Exploration rounds draft every request whose prefill costs under one draft forward
     (its drafter is warm); a cold one drafts only when the rates say so.
 
@@ -135,17 +130,10 @@ class DraftOrRetrieve:
         explore_every: retrieval-only rounds in a row after which the batch drafts (>= 1).
         read_cost: draft forwards one unread token adds to a draft forward (>= 0; a
             prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards).
-        gain_prior_rounds: drafted rounds' worth of weight the overall gain has in each
-            bucket's estimate (a bucket seen rarely leans on the overall gain).
     """
 
     def __init__(
-        self,
-        draft_cost_ratio: float,
-        ema: float = 0.9,
-        explore_every: int = 8,
-        read_cost: float = 0.015,
-        gain_prior_rounds: float = 2.0,
+        self, draft_cost_ratio: float, ema: float = 0.9, explore_every: int = 8, read_cost: float = 0.015
     ) -> None:
         check_cost_ratio(draft_cost_ratio)
         if not 0.0 <= ema < 1.0:
@@ -154,38 +142,23 @@ class DraftOrRetrieve:
             raise ValueError(f"explore_every must be >= 1 round, got {explore_every}")
         if not read_cost >= 0.0:
             raise ValueError(f"read_cost (draft forwards per unread token) must be >= 0, got {read_cost}")
-        if not gain_prior_rounds > 0.0:
-            raise ValueError(f"gain_prior_rounds must be > 0, got {gain_prior_rounds}")
         self.ratio = float(draft_cost_ratio)
         self.ema = ema
         self.explore_every = explore_every
         self.read_cost = float(read_cost)
-        self.gain_prior_rounds = float(gain_prior_rounds)
         self.skipped_in_a_row = 0
-        self.gain: float | None = None  # tokens a drafted round adds over the prediction, overall
+        self.drafted_tokens: float | None = None  # tokens per drafted round (bonus included)
         self.drafted_forwards: float | None = None  # draft forwards per drafted round
-        # Per prediction bucket: decayed sum of gains and decayed number of drafted rounds.
-        self.bucket_gain = torch.zeros(len(_GAIN_EDGES) + 1, dtype=torch.float64)
-        self.bucket_rounds = torch.zeros(len(_GAIN_EDGES) + 1, dtype=torch.float64)
-        self._edges = torch.tensor(_GAIN_EDGES, dtype=torch.float64)
         # Skipped rounds: predicted and realised tokens beyond the bonus, running sums
         # that start as one prior round where the prediction came true.
         self.skipped_predicted = 1.0
         self.skipped_realised = 1.0
-        self._prediction: float | None = None  # this round's batch-mean raw prediction
+        self._prediction: float | None = None  # this round's batch-mean prediction
 
     @property
     def realism(self) -> float:
         """Realised / predicted retrieval yield of past skipped rounds."""
         return self.skipped_realised / self.skipped_predicted
-
-    def gain_at(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Expected tokens a draft adds to a round whose retrieval is predicted to yield
-        ``predicted`` (``[bs]``, realism applied) tokens past the bonus."""
-        assert self.gain is not None
-        bucket = torch.bucketize(predicted.double().cpu(), self._edges, right=True)
-        w = self.gain_prior_rounds
-        return (self.bucket_gain[bucket] + w * self.gain) / (self.bucket_rounds[bucket] + w)
 
     def wants_draft(
         self, retrieved_scores: torch.Tensor, valid: torch.Tensor, slots: int, unread: torch.Tensor | None = None
@@ -194,45 +167,33 @@ class DraftOrRetrieve:
         ``[bs]`` tokens each request's drafter has yet to read (None: a few, uncharged)."""
         bs = retrieved_scores.shape[0]
         device = retrieved_scores.device
-        scores = torch.where(valid, retrieved_scores.float(), 0.0)
-        raw = scores.topk(min(slots, scores.shape[1]), dim=1).values.sum(dim=1).double().cpu()
-        self._prediction = float(raw.mean()) if bs else None
-        predicted = raw * self.realism
-        if self.gain is None or self.drafted_forwards is None:
+        self._prediction = None
+        if self.drafted_tokens is None or self.drafted_forwards is None:
             return torch.ones(bs, dtype=torch.bool, device=device)
-        charge = torch.zeros(bs, dtype=torch.float64)
+        charge = torch.zeros(bs, dtype=torch.float64, device=device)
         if unread is not None:
-            charge = unread.double().cpu() * (self.read_cost * self.ratio / self.explore_every)
-        retrieval_rate = 1.0 + predicted
-        drafted_rate = (retrieval_rate + self.gain_at(predicted)) / (1.0 + self.drafted_forwards * self.ratio + charge)
-        draft = drafted_rate > retrieval_rate
+            charge = unread.to(device=device, dtype=torch.float64) * (self.read_cost * self.ratio / self.explore_every)
+        scores = torch.where(valid, retrieved_scores.float(), 0.0)
+        predicted = scores.topk(min(slots, scores.shape[1]), dim=1).values.sum(dim=1)
+        drafted_rate = self.drafted_tokens / (1.0 + self.drafted_forwards * self.ratio + charge)
+        draft = (1.0 + self.realism * predicted) < drafted_rate
+        self._prediction = float(predicted.mean())
         if self.skipped_in_a_row >= self.explore_every:
             draft |= charge * self.explore_every < self.ratio
-        return draft.to(device)
+        return draft
 
     def observe(self, tokens_per_request: float, forwards: int) -> None:
         """Record a verify round: mean tokens emitted per request (bonus included) and the
-        draft forwards it took (0: it ran on retrieval alone). A drafted batch's gain is
-        filed under the bucket of its mean prediction."""
+        draft forwards it took (0: it ran on retrieval alone)."""
         e = self.ema
-        predicted = self._prediction
-        self._prediction = None
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if forwards == 0 else 0
         if forwards == 0:
-            if predicted is not None:
-                self.skipped_predicted = e * self.skipped_predicted + (1.0 - e) * predicted
+            if self._prediction is not None:
+                self.skipped_predicted = e * self.skipped_predicted + (1.0 - e) * self._prediction
                 self.skipped_realised = e * self.skipped_realised + (1.0 - e) * (tokens_per_request - 1.0)
-            return
-        predicted = None if predicted is None else predicted * self.realism
-        gain = tokens_per_request - 1.0 - (predicted or 0.0)
-        if self.gain is None or self.drafted_forwards is None:
-            self.gain, self.drafted_forwards = gain, float(forwards)
+        elif self.drafted_tokens is None or self.drafted_forwards is None:
+            self.drafted_tokens, self.drafted_forwards = float(tokens_per_request), float(forwards)
         else:
-            self.gain = e * self.gain + (1.0 - e) * gain
+            self.drafted_tokens = e * self.drafted_tokens + (1.0 - e) * tokens_per_request
             self.drafted_forwards = e * self.drafted_forwards + (1.0 - e) * forwards
-        if predicted is not None:
-            bucket = int(torch.bucketize(torch.tensor(predicted, dtype=torch.float64), self._edges, right=True))
-            self.bucket_gain.mul_(e)
-            self.bucket_rounds.mul_(e)
-            self.bucket_gain[bucket] += gain
-            self.bucket_rounds[bucket] += 1.0
+        self._prediction = None
