@@ -119,8 +119,9 @@ class DraftOrRetrieve:
     prefill all of it first, which on a long prompt costs many verify steps: a request's
     drafted rate is charged ``read_cost * draft_cost_ratio`` verify units per unread token,
     spread over ``explore_every`` rounds (the prefill pays off over the rounds after it,
-    which the drafted rate does not see). Summaries of a long prompt thus stay on
-    retrieval, which copies them well, instead of paying a draft prefill to explore.
+    which the drafted rate does not see), so a long prompt is not prefilled merely to
+    explore. (On Spec-Bench's summarization prompts the draft drafted early anyway, as
+    retrieval was dry there: the charge changed no decision.)
     Exploration rounds draft every request whose prefill costs under one draft forward
     (its drafter is warm); a cold one drafts only when the rates say so.
 
@@ -129,7 +130,8 @@ class DraftOrRetrieve:
         ema: weight of the past in the running means.
         explore_every: retrieval-only rounds in a row after which the batch drafts (>= 1).
         read_cost: draft forwards one unread token adds to a draft forward (>= 0; a
-            prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards).
+            prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards; 0.015 was
+            measured for a 0.5B draft on 2 CPU cores: 84 ms for 1 token, 1917 ms for 1024).
     """
 
     def __init__(
