@@ -61,8 +61,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
                    help="draft forward time / target verify forward time (> 0). pruned and graft draft one "
-                        "more level only while it is expected to pay for its forward, and graft skips drafting "
-                        "when retrieval alone is expected to yield more per unit time (default: the two models' "
+                        "more level only while its expected extra tokens beat the rate decoding has been achieving "
+                        "times its cost, and graft skips drafting when the draft adds too little over retrieval "
+                        "alone by the same measure (default: the two models' "
                         "weight-size ratio, which underestimates small drafts: measure it, e.g. 0.4 for the "
                         "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU)")
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",

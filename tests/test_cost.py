@@ -52,14 +52,11 @@ def test_depth_budget_extremes():
 @given(st.floats(0.05, 2.0), st.floats(0.0, 1.0), st.integers(2, 8))
 def test_depth_budget_matches_the_rate_formula(ratio, q, max_depth):
     """At depth 1 (survival still its prior 0.8 at every level) the decision is exactly
-    the docstring's inequality, written out here the slow way."""
+    the docstring's inequality, written out here the slow way: some look-ahead of h levels
+    adds more expected tokens than plain decoding emits in its h draft forwards."""
     got = bool(DepthBudget(ratio, max_depth).continues(1, torch.tensor([q], dtype=torch.float64)))
-    tokens = 1.0 + q
-    now = tokens / (1 + ratio)
-    later = [
-        (tokens + q * sum(0.8**j for j in range(1, h + 1))) / (1 + (1 + h) * ratio) for h in range(1, max_depth)
-    ]
-    assert got == (max(later) > now)
+    gains = [q * sum(0.8**j for j in range(1, h + 1)) for h in range(1, max_depth)]
+    assert got == any(g > h * ratio for h, g in enumerate(gains, start=1))
 
 
 def test_depth_budget_learns_survival():
@@ -71,37 +68,57 @@ def test_depth_budget_learns_survival():
     assert budget.survival[2].item() == pytest.approx(0.8)  # never observed: still the prior
 
 
-def test_draft_or_retrieve_compares_rates():
+def test_draft_or_retrieve_weighs_extra_tokens_against_the_long_run_rate():
     gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5)
     strong = torch.tensor([[0.9, 0.6, 0.3, 0.0]])
     weak = torch.tensor([[0.1, 0.05, 0.0, 0.0]])
     valid = torch.ones(1, 4, dtype=torch.bool)
     assert gate.wants_draft(weak, valid, 3).tolist() == [True]  # nothing drafted yet: draft
-    gate.observe(3.0, 2)  # drafted: 3 tokens for 1 + 2 * 0.5 = 2 verify units -> 1.5 per unit
-    assert gate.wants_draft(strong, valid, 3).tolist() == [False]  # 1 + 1.8 = 2.8 per unit
-    assert gate.wants_draft(weak, valid, 3).tolist() == [True]  # 1 + 0.15 per unit
+    gate.observe(3.0, 2)  # drafted: 3 tokens for 2 * 0.5 = 1 extra unit
+    # R, from a prior round of plain decoding (1 token, 1 unit) and this one (3 tokens, 2 units).
+    assert gate.rate.value == pytest.approx((0.5 + 1.5) / (0.5 + 1.0))
+    assert gate.wants_draft(strong, valid, 3).tolist() == [False]  # 3 - (1 + 1.8) = 0.2 < 4/3 * 1
+    assert gate.wants_draft(weak, valid, 3).tolist() == [True]  # 3 - 1.15 = 1.85 > 4/3
     # Invalid columns count for nothing, and only the best `slots` nodes count.
-    assert gate.wants_draft(strong, torch.tensor([[False, False, True, True]]), 3).tolist() == [True]
-    assert gate.wants_draft(strong, valid, 1).tolist() == [False]  # 1 + 0.9 > 1.5
+    assert gate.wants_draft(strong, torch.tensor([[False, False, True, True]]), 3).tolist() == [True]  # 1.7
+    assert gate.wants_draft(strong, valid, 1).tolist() == [False]  # 3 - 1.9 = 1.1 < 4/3
+
+
+def test_draft_or_retrieve_skips_a_dry_moment_of_a_fast_request():
+    """Retrieval has nothing for a fresh token (the start of a copied span): at plain
+    decoding's rate drafting pays, but not when the request has been copying at four
+    tokens per unit, since the draft's 1.5 extra tokens are worth less than its forward."""
+    dry = torch.zeros(1, 4)
+    valid = torch.zeros(1, 4, dtype=torch.bool)
+    slow = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    slow.observe(2.5, 1)  # drafted rounds yield 2.5 tokens for 0.5 extra units
+    assert slow.rate.value < 2.0
+    assert slow.wants_draft(dry, valid, 3).tolist() == [True]  # 1.5 > R * 0.5
+    fast = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    fast.observe(2.5, 1)
+    for _ in range(20):
+        fast.observe(4.0, 0)  # retrieval-only rounds copying 4 tokens each
+    assert fast.rate.value == pytest.approx(4.0, rel=1e-4)
+    assert fast.wants_draft(dry, valid, 3).tolist() == [False]  # 1.5 < 4 * 0.5
 
 
 def test_draft_or_retrieve_learns_when_retrieval_disappoints():
     gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
     valid = torch.ones(1, 2, dtype=torch.bool)
     proposal = torch.tensor([[0.5, 0.4]])  # predicts 0.9 tokens past the bonus
-    gate.observe(3.0, 2)
-    assert gate.wants_draft(proposal, valid, 2).tolist() == [False]
+    gate.observe(2.5, 2)
+    assert gate.wants_draft(proposal, valid, 2).tolist() == [False]  # 2.5 - 1.9 = 0.6 < 1
     for _ in range(10):  # retrieval-only rounds that yield the bonus token alone
         gate.wants_draft(proposal, valid, 2)
         gate.observe(1.0, 0)
     assert gate.realism < 0.01
-    assert gate.wants_draft(proposal, valid, 2).tolist() == [True]
+    assert gate.wants_draft(proposal, valid, 2).tolist() == [True]  # 2.5 - 1 = 1.5 > 1
 
 
 def test_draft_or_retrieve_explores_after_a_bad_start():
     """A drafted round that looked hopeless must not lock drafting out: every
     ``explore_every`` retrieval-only rounds the batch drafts once and re-measures."""
-    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=3)
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.2, explore_every=3)
     valid = torch.ones(1, 2, dtype=torch.bool)
     proposal = torch.tensor([[0.5, 0.4]])
     gate.observe(1.0, 2)  # a drafted round that yielded the bonus alone: 0.5 per unit
@@ -110,7 +127,8 @@ def test_draft_or_retrieve_explores_after_a_bad_start():
         draft = bool(gate.wants_draft(proposal, valid, 2))
         decisions.append(draft)
         gate.observe(7.0 if draft else 1.9, 2 if draft else 0)
-    # Skip three, explore (the running mean, 4 tokens for 2 units, now beats 1.9), keep drafting.
+    # Skip three, explore; the drafted mean, 5.8 tokens, then adds 3.9 over 1.9 for 1 unit,
+    # more than R (3.3): keep drafting.
     assert decisions == [False, False, False, True, True, True, True, True]
 
 
@@ -119,14 +137,14 @@ def test_draft_or_retrieve_charges_an_unread_prompt():
     has read everything drafts, the one with 2000 unread tokens stays on retrieval, and an
     exploration round drafts only the warm one."""
     gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=4, read_cost=0.03)
-    gate.observe(3.0, 2)  # drafted: 3 tokens for 2 verify units
-    proposal = torch.tensor([[0.2, 0.1], [0.2, 0.1]])  # retrieval alone: 1.3 tokens per unit
+    gate.observe(3.0, 2)  # drafted: 3 tokens for 2 * 0.5 = 1 extra unit
+    proposal = torch.tensor([[0.2, 0.1], [0.2, 0.1]])  # retrieval alone: 1.3 tokens
     valid = torch.ones(2, 2, dtype=torch.bool)
     unread = torch.tensor([1, 2000])
-    # Cold: 2000 * 0.03 * 0.5 / 4 = 7.5 more units per round -> 3 / 9.5 per unit.
+    # Extra tokens 3 - 1.3 = 1.7 for 1 unit warm; cold, 2000 * 0.03 * 0.5 / 4 = 7.5 more units.
     assert gate.wants_draft(proposal, valid, 2, unread).tolist() == [True, False]
     assert gate.wants_draft(proposal, valid, 2).tolist() == [True, True]  # None: nothing charged
-    strong = torch.tensor([[0.9, 0.8], [0.9, 0.8]])  # 2.7 per unit: both skip
+    strong = torch.tensor([[0.9, 0.8], [0.9, 0.8]])  # 3 - 2.7 = 0.3 extra tokens: both skip
     for _ in range(4):
         assert gate.wants_draft(strong, valid, 2, unread).tolist() == [False, False]
         gate.observe(2.7, 0)
