@@ -25,8 +25,9 @@ rounds). The two decisions:
   look-ahead ``h``, i.e. while a level adds more than plain decoding would emit in the time
   its forward takes. ``G_h`` counts only the best path, not the side branches a level adds
   nor the longer paths it lets retrieval's nodes hang under, so it understates a level's
-  worth: on Spec-Bench (n = 16, 6 prompts, bf16 CPU pair) the stricter bars, ``R`` or the
-  round's own rate, drafted less and yielded 5-6% fewer tokens per verify-equivalent.
+  worth: on Spec-Bench (n = 16, 6 prompts, bf16 CPU pair) the stricter bars drafted less
+  and yielded fewer tokens per verify-equivalent, 5% fewer with the round's own rate
+  (``T / c``), 6% with ``R``.
   Deep drafting continues on predictable text (code, arithmetic), where the draft's
   confidence stays high, and stops after one or two levels on open text.
 
