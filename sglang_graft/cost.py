@@ -60,7 +60,7 @@ class RoundRate:
 
     A running ratio of tokens to cost (the renewal-reward estimate of a rate, which a mean
     of per-round rates is not), starting from one round of plain decoding: 1 token for 1
-    unit. Every cost decision of a round compares its extra tokens with ``R`` times its
+    unit. ``DraftOrRetrieve`` compares the draft's extra tokens with ``R`` times their
     extra cost.
 
     Args:
