@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Milliseconds per forward of the target and the draft for 1..32 new tokens on a cached
-context, and the ``--draft-cost-ratio`` they imply.
+context, and the ``--num-nodes`` and ``--draft-cost-ratio`` they imply.
 
 Whether speculation pays on a host depends on two numbers: how much more a verify forward
 over ``n`` tokens costs than a one-token decode step, and what a draft forward costs next
@@ -8,6 +8,12 @@ to a verify. Both vary a lot between CPUs (with and without native bf16 matrix m
 and dtypes, so measure them before choosing ``--num-nodes`` and ``--draft-cost-ratio``:
 
     .venv/bin/python scripts/bench_forward_cost.py --target TARGET --draft DRAFT --dtype bfloat16 --threads 2
+
+The recommended ``--num-nodes`` is the largest measured count whose verify costs at most
+``--verify-slack`` (default 1.1x) a one-token decode step: on the hosts measured so far
+that was 16 on two Intel Xeons with AMX (a 16-token forward cost what a 1-token one does,
+24 tokens 1.3x) and 8 on an AMD EPYC (16 tokens 1.18x). The counts are timed round-robin,
+so a host whose speed drifts between minutes slows them all alike.
 
 Prints a table (median of --reps forwards after one warm-up); no assertions.
 """
@@ -22,19 +28,28 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def forward_ms(model: torch.nn.Module, context: int, new_tokens: int, reps: int, vocab: int) -> float:
-    """Median milliseconds of a ``new_tokens`` forward after ``context`` cached tokens."""
+def forward_ms(model: torch.nn.Module, context: int, counts: list[int], reps: int, vocab: int) -> dict[int, float]:
+    """Median milliseconds of a forward over each of ``counts`` new tokens after ``context``
+    cached tokens, timed round-robin (one forward per count per rep, after one warm-up)."""
     gen = torch.Generator().manual_seed(0)
+    times: dict[int, list[float]] = {q: [] for q in counts}
     with torch.inference_mode():
         cache = model(torch.randint(0, vocab, (1, context), generator=gen), use_cache=True).past_key_values
-        times = []
         for _ in range(reps + 1):
-            x = torch.randint(0, vocab, (1, new_tokens), generator=gen)
-            start = time.perf_counter()
-            model(x, past_key_values=cache, use_cache=True, logits_to_keep=new_tokens)
-            times.append(time.perf_counter() - start)
-            cache.crop(-new_tokens)
-    return statistics.median(times[1:]) * 1e3
+            for q in counts:
+                x = torch.randint(0, vocab, (1, q), generator=gen)
+                start = time.perf_counter()
+                model(x, past_key_values=cache, use_cache=True, logits_to_keep=q)
+                times[q].append(time.perf_counter() - start)
+                cache.crop(-q)
+    return {q: statistics.median(t[1:]) * 1e3 for q, t in times.items()}
+
+
+def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
+    """The largest count ``n >= 2`` whose forward costs at most ``slack`` times one token's
+    (2 if none does: speculation then has to win on acceptance alone)."""
+    fits = [q for q, ms in target_ms.items() if q >= 2 and ms <= slack * target_ms[1]]
+    return max(fits, default=2)
 
 
 def main() -> None:
@@ -44,25 +59,37 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed forward (default 256)")
-    ap.add_argument("--tokens", default="1,2,4,8,16,32", help="new-token counts to time")
-    ap.add_argument("--verify-tokens", type=int, default=8, help="n whose verify cost the ratio divides by (default 8)")
+    ap.add_argument("--tokens", default="1,2,4,8,12,16,24,32", help="new-token counts to time")
+    ap.add_argument(
+        "--verify-slack", type=float, default=1.1, help="most a verify may cost, in one-token forwards (default 1.1)"
+    )
+    ap.add_argument(
+        "--verify-tokens", type=int, default=None, help="n whose verify cost the ratio divides by (default: the recommended n)"
+    )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    counts = sorted({*map(int, args.tokens.split(",")), 1, args.verify_tokens})
+    if not args.verify_slack >= 1.0:
+        ap.error(f"--verify-slack must be >= 1.0 (a verify never costs less than a decode step), got {args.verify_slack}")
+    counts = sorted({*map(int, args.tokens.split(",")), 1, *([args.verify_tokens] if args.verify_tokens else [])})
+    if counts[0] < 1:
+        ap.error(f"--tokens and --verify-tokens must be >= 1, got {counts[0]}")
     ms: dict[str, dict[int, float]] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         vocab = int(model.config.get_text_config().vocab_size)
-        ms[role] = {q: forward_ms(model, args.context, q, args.reps, vocab) for q in counts}
+        ms[role] = forward_ms(model, args.context, counts, args.reps, vocab)
         del model
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context} (median ms per forward)")
     print(f"{'tokens':>7} {'target':>9} {'x 1-token':>10} {'draft':>9}")
     for q in counts:
         print(f"{q:>7} {ms['target'][q]:>9.0f} {ms['target'][q] / ms['target'][1]:>10.2f} {ms['draft'][q]:>9.0f}")
-    ratio = ms["draft"][1] / ms["target"][args.verify_tokens]
-    print(f"--draft-cost-ratio {ratio:.2f}  (draft 1-token forward / target {args.verify_tokens}-token verify)")
+    n = recommended_num_nodes(ms["target"], args.verify_slack)
+    print(f"--num-nodes {n}  (the largest n whose verify costs at most {args.verify_slack:g}x a one-token step)")
+    verify = args.verify_tokens or n
+    ratio = ms["draft"][1] / ms["target"][verify]
+    print(f"--draft-cost-ratio {ratio:.2f}  (draft 1-token forward / target {verify}-token verify)")
 
 
 if __name__ == "__main__":

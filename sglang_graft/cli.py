@@ -55,7 +55,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``generate`` and ``bench``."""
     p.add_argument("--target", required=True, help="target model folder (transformers format), or 'tiny'")
     p.add_argument("--draft", help="draft model folder with the target's tokenizer, or 'tiny' (not needed by ar/retrieval)")
-    p.add_argument("--num-nodes", type=int, default=8, help="verify budget n: tree nodes incl. the root (default 8)")
+    p.add_argument(
+        "--num-nodes",
+        type=int,
+        default=16,
+        help="verify budget n: tree nodes incl. the root (default 16; scripts/bench_forward_cost.py measures the host's)",
+    )
     p.add_argument("--draft-depth", type=int, default=4, help="most draft levels per round (default 4)")
     p.add_argument("--draft-topk", type=int, default=4, help="children per expanded draft node (default 4)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")

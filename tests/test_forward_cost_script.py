@@ -1,4 +1,5 @@
-"""``scripts/bench_forward_cost.py``: each timed forward starts from the same cached context."""
+"""``scripts/bench_forward_cost.py``: each timed forward starts from the same cached context,
+and the recommended verify budget is the largest one that stays within the slack."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def test_forward_ms_times_a_forward_on_a_fixed_context(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(target, "forward", spy)
-    ms = _load().forward_ms(target, context=12, new_tokens=4, reps=3, vocab=100)
-    assert ms > 0
-    assert lengths == [0, 12, 12, 12, 12]  # prefill, then warm-up + 3 reps each after 12 cached tokens
+    ms = _load().forward_ms(target, context=12, counts=[1, 4], reps=3, vocab=100)
+    assert set(ms) == {1, 4} and all(v > 0 for v in ms.values())
+    assert lengths == [0] + [12] * 8  # prefill, then warm-up + 3 reps of both counts, each after 12 cached tokens
+
+
+def test_recommended_num_nodes_is_the_largest_count_within_the_slack():
+    recommend = _load().recommended_num_nodes
+    measured = {1: 100.0, 2: 95.0, 8: 104.0, 16: 109.0, 24: 130.0, 32: 108.0}
+    assert recommend(measured, 1.1) == 32  # a cheap 32 counts even after a dear 24
+    assert recommend({**measured, 32: 150.0}, 1.1) == 16
+    assert recommend({**measured, 32: 150.0}, 1.05) == 8
+    assert recommend({1: 100.0, 2: 180.0, 4: 300.0}, 1.1) == 2  # nothing fits: the smallest tree

@@ -31,7 +31,7 @@ class EngineConfig:
     """
 
     policy: str = "graft"
-    num_nodes: int = 8
+    num_nodes: int = 16
     draft_depth: int = 4
     draft_topk: int = 4
     gates: GateConfig = field(default_factory=GateConfig)
