@@ -14,6 +14,8 @@ whole batch costs a handful of kernels and is identical on every tensor-parallel
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -48,28 +50,56 @@ class AcceptanceCalibrator:
         self.decay = float(decay)
         self.proposed = torch.zeros(num_groups * num_bins, dtype=torch.float64, device=device)
         self.accepted = torch.zeros_like(self.proposed)
+        self._affine: tuple[torch.Tensor, torch.Tensor] | None = None  # see _affine_tables
 
-    def _cells(self, groups: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
-        g = groups.long().clamp(0, self.num_groups - 1)
+    def with_counts(self, proposed: torch.Tensor, accepted: torch.Tensor) -> "AcceptanceCalibrator":
+        """A calibrator with these settings that reads the given count tensors (not copies).
+
+        A compiled round (``sglang_graft.compiled``) takes the live counts as inputs this
+        way, so what it estimates follows every ``observe`` instead of a traced snapshot.
+        """
+        if proposed.shape != self.proposed.shape or accepted.shape != self.accepted.shape:
+            raise ValueError(
+                f"calibration counts must have shape {tuple(self.proposed.shape)}, "
+                f"got {tuple(proposed.shape)} and {tuple(accepted.shape)}"
+            )
+        twin = copy.copy(self)
+        twin.proposed, twin.accepted, twin._affine = proposed, accepted, None
+        return twin
+
+    def _cells(self, groups: torch.Tensor | int, bins: torch.Tensor) -> torch.Tensor:
         b = bins.long().clamp(0, self.num_bins - 1)
-        return g * self.num_bins + b
+        if isinstance(groups, int):
+            return b + min(max(groups, 0), self.num_groups - 1) * self.num_bins
+        return torch.add(b, groups.long().clamp(0, self.num_groups - 1), alpha=self.num_bins)
 
-    def estimate(self, groups: torch.Tensor, bins: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    def _affine_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(base, slope)`` float32 per cell, with the estimate ``base + slope * prior``.
+
+        The posterior mean ``(a + s * prior) / (n + s)`` is affine in the prior; the two
+        tables change only in ``observe``, so they are built once per round rather than
+        on every estimate (gates estimate after each draft level).
+        """
+        if self._affine is None:
+            inv = 1.0 / (self.proposed + self.prior_strength)
+            self._affine = ((self.accepted * inv).float(), (inv * self.prior_strength).float())
+        return self._affine
+
+    def estimate(self, groups: torch.Tensor | int, bins: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
         """Posterior mean P(accept) per element (same shape as ``prior``, float32).
 
-        Out-of-range groups and bins are clamped to the edge cells.
+        ``groups`` is a tensor like ``bins`` or one group for all. Out-of-range groups and
+        bins are clamped to the edge cells.
         """
         cells = self._cells(groups, bins)
-        n = self.proposed[cells]
-        a = self.accepted[cells]
-        s = self.prior_strength
-        est = (a + s * prior.double()) / (n + s)
-        return est.clamp(0.0, 1.0).to(torch.float32)
+        base, slope = self._affine_tables()
+        return torch.addcmul(base[cells], slope[cells], prior.float()).clamp_(0.0, 1.0)
 
     def observe(self, groups: torch.Tensor, bins: torch.Tensor, accepted: torch.Tensor) -> None:
         """Record one outcome per element: was the proposal accepted."""
         if accepted.numel() == 0:
             return
+        self._affine = None
         if self.decay < 1.0:
             self.proposed.mul_(self.decay)
             self.accepted.mul_(self.decay)

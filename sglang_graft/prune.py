@@ -23,6 +23,7 @@ thresholds (ECHO's per-model constants).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -99,8 +100,15 @@ class ConfidencePruner:
             device=device,
         )
 
-    def calibrated(self, depths: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-        """Map raw cumulative draft probabilities at ``depths`` to P(path accepted)."""
+    def with_counts(self, proposed: torch.Tensor, accepted: torch.Tensor) -> "ConfidencePruner":
+        """This pruner reading the given calibration counts (see ``AcceptanceCalibrator.with_counts``)."""
+        twin = copy.copy(self)
+        twin.calibrator = self.calibrator.with_counts(proposed, accepted)
+        return twin
+
+    def calibrated(self, depths: torch.Tensor | int, raw: torch.Tensor) -> torch.Tensor:
+        """Map raw cumulative draft probabilities at ``depths`` (a tensor like ``raw``, or
+        one depth for all) to P(path accepted)."""
         raw = raw.float()
         if self.config.mode == "fixed":
             return raw
@@ -116,9 +124,8 @@ class ConfidencePruner:
         threshold = self.config.threshold_at(depth)
         if threshold is None:
             return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
-        best = step_scores.reshape(bs, -1).max(dim=1).values
-        depth_t = torch.full_like(best, depth, dtype=torch.int64)
-        return self.calibrated(depth_t, best) >= threshold
+        best = step_scores.reshape(bs, -1).amax(dim=1)
+        return self.calibrated(depth, best) >= threshold
 
     def prune(self, drafts: Candidates, stop_depth: torch.Tensor) -> Candidates:
         """Keep draft nodes from levels no deeper than each request's ``stop_depth`` ``[bs]``

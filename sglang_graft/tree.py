@@ -43,6 +43,8 @@ class TokenTree:
         bins:    int64 calibration bucket of each node's proposer (see ``Candidates.bins``).
         ancestors: ``[bs, n, n]`` bool ancestor-or-self mask, derived from ``parents`` once
             when not given, so packing and verification never recompute it.
+        links: ``(next_token, next_sibling)`` as ``child_links`` returns them, when the
+            builder already has them (read them with ``TokenTree.child_links``).
     """
 
     tokens: torch.Tensor
@@ -52,10 +54,18 @@ class TokenTree:
     sources: torch.Tensor
     bins: torch.Tensor
     ancestors: torch.Tensor = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    links: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.ancestors is None:
             object.__setattr__(self, "ancestors", ancestor_mask(self.parents))
+
+    def child_links(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next_token, next_sibling)`` of ``child_links(self.parents)``, computed once."""
+        if self.links is None:
+            object.__setattr__(self, "links", child_links(self.parents))
+        assert self.links is not None
+        return self.links
 
     @property
     def batch_size(self) -> int:
@@ -163,22 +173,17 @@ def child_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``build_tree_efficient`` kernel produces and its verify kernels walk.
 
     ``parents`` must be a tree (the root at column 0 with parent -1, every other parent an
-    earlier column). Sorting the nodes by ``(parent, column)`` lines up each parent's
-    children in index order, so one sort and two scatters give both links in ``O(n log n)``.
+    earlier column). Both links are minima over one ``[bs, n, n]`` comparison each, which
+    for a verify tree's few dozen nodes is cheaper than sorting and needs no scatter.
     """
-    bs, n = parents.shape
-    device = parents.device
-    order = torch.add(arange_cached(n, device), parents, alpha=n).argsort(dim=1)  # the root first
-    by_parent = parents.gather(1, order)
-    later, parent_of_later = order[:, 1:], by_parent[:, 1:]
-    same = parent_of_later == by_parent[:, :-1]  # sorted neighbours k, k + 1 are siblings
-    none = torch.full((bs, n), -1, dtype=torch.int64, device=device)
-    next_sibling = none.scatter(1, order[:, :-1], torch.where(same, later, -1))
-    # The first of each run of siblings is its parent's first child; the rest go to a spare column.
-    first_child = torch.full((bs, n + 1), -1, dtype=torch.int64, device=device)
-    first_child.scatter_(1, torch.where(same, n, parent_of_later), later)
-    # Contiguous: SGLang's kernels read these through raw pointers with row stride n.
-    return first_child[:, :n].contiguous(), next_sibling
+    n = parents.shape[1]
+    cols = arange_cached(n, parents.device)
+    later = cols.view(1, 1, n) > cols.view(1, n, 1)
+    sibling = (parents.unsqueeze(2) == parents.unsqueeze(1)) & later
+    next_sibling = torch.where(sibling, cols, n).amin(dim=2)
+    is_child = parents.unsqueeze(1) == cols.view(1, n, 1)  # [b, p, j]: j is a child of p
+    first_child = torch.where(is_child, cols, n).amin(dim=2)
+    return torch.where(first_child < n, first_child, -1), torch.where(next_sibling < n, next_sibling, -1)
 
 
 def pack(
@@ -202,7 +207,7 @@ def pack(
         raise ValueError(f"seq_lens must have shape ({bs},) like the tree batch, got {tuple(seq_lens.shape)}")
     device = tree.tokens.device
     seq_lens = seq_lens.to(device=device, dtype=torch.int64)
-    next_token, next_sibling = child_links(tree.parents)
+    next_token, next_sibling = tree.child_links()
     if mask_mode == "qlen":
         tree_mask = tree.ancestors.reshape(-1)
     else:
@@ -303,17 +308,23 @@ def candidates_from_flat(scores: torch.Tensor, tokens: torch.Tensor, parent_list
             f"EAGLE parent_list {tuple(parent_list.shape)} covers too few expansion slots: {m} candidates "
             f"with topk={topk} need {(m - 1) // max(topk, 1) + 1} for each of {bs} requests"
         )
-    cols = torch.arange(m, device=tokens.device)
-    depths = torch.where(cols < topk, 1, 2 + (cols - topk) // (topk * topk)).expand(bs, m)
+    slot, depths = _eagle_layout(m, topk, tokens.device)
     tokens = tokens.long()
     return Candidates(
         tokens=tokens,
-        parents=parent_list.long()[:, cols // topk],
+        parents=parent_list.long().index_select(1, slot),
         scores=scores.float(),
         sources=torch.full_like(tokens, int(Source.DRAFT)),
         valid=torch.ones_like(tokens, dtype=torch.bool),
-        depths=depths,
+        depths=depths.expand(bs, m),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _eagle_layout(m: int, topk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(expansion slot [m], depth [1, m])`` of each flattened EAGLE candidate column."""
+    cols = torch.arange(m, device=device)
+    return cols // topk, torch.where(cols < topk, 1, 2 + (cols - topk) // (topk * topk)).view(1, m)
 
 
 def eagle_candidates(

@@ -37,7 +37,7 @@ from sglang_graft.engine.models import weight_cost_ratio
 from sglang_graft.engine.outputs import BatchOutput, RequestOutput
 from sglang_graft.retrieval import Retriever, RetrieverConfig
 from sglang_graft.scheduler import GraftScheduler, accepted_mask_from_nodes
-from sglang_graft.tree import TokenTree, child_links
+from sglang_graft.tree import TokenTree
 from sglang_graft.verify import SampledVerify, greedy_accept, target_distribution, verify_tree_sampled
 
 #: Target top-k recorded per verified node for token recycling (and the top-2 margin).
@@ -203,7 +203,7 @@ class DecodeRun:
         kv = self.target_kv
         positions = kv.lengths.unsqueeze(1) + tree.depths
         logits = kv.forward(self.e.target, tree.tokens, positions, tree.ancestors)
-        next_token, next_sibling = child_links(tree.parents)
+        next_token, next_sibling = tree.child_links()
         s = self.sampling
         if s.greedy:
             return greedy_accept(tree.tokens, next_token, next_sibling, logits.argmax(dim=-1)), logits
