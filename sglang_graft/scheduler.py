@@ -28,6 +28,7 @@ from typing import Protocol, Sequence
 import torch
 
 from sglang_graft.candidates import Candidates
+from sglang_graft.compiled import CompiledRound
 from sglang_graft.cost import DepthBudget, DraftOrRetrieve, check_cost_ratio
 from sglang_graft.graft import GraftResult, graft
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
@@ -66,6 +67,8 @@ class SchedulerConfig:
             policies also stop drafting once another level is not expected to raise tokens
             per second (``sglang_graft.cost``); None leaves the depth to the gates alone.
         draft_depth: the drafter's deepest level (the cost look-ahead's horizon).
+        compile_core: build each round's tree with ``sglang_graft.compiled`` (the same
+            code, compiled once per shape by AOTInductor) instead of eager PyTorch.
     """
 
     policy: str = "graft"
@@ -73,6 +76,7 @@ class SchedulerConfig:
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     draft_depth: int = 8
+    compile_core: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,6 +118,9 @@ class GraftScheduler:
         self.depth_budget = DepthBudget(config.draft_cost_ratio, config.draft_depth) if costed else None
         # Skipping the draft altogether needs retrieval to fill the tree instead: graft only.
         self.draft_gate = DraftOrRetrieve(config.draft_cost_ratio) if costed and config.uses_retrieval else None
+        self.compiled: CompiledRound | None = None
+        if config.compile_core:
+            self.compiled = CompiledRound(self.pruner if config.uses_gates else None, config.num_nodes)
 
     def draft_continues(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
         """After drafting level ``depth``: which requests may draft deeper (``[bs]`` bool).
@@ -128,8 +135,8 @@ class GraftScheduler:
             return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
         go = self.pruner.step_continues(depth, step_scores)
         if self.depth_budget is not None:
-            best = step_scores.reshape(bs, -1).max(dim=1).values
-            q = self.pruner.calibrated(torch.full_like(best, depth, dtype=torch.int64), best)
+            best = step_scores.reshape(bs, -1).amax(dim=1)
+            q = self.pruner.calibrated(depth, best)
             go = go & self.depth_budget.continues(depth, q).to(go.device)
         return go
 
@@ -174,21 +181,16 @@ class GraftScheduler:
             retrieved: this round's ``retrieve`` result, if the caller asked for it
                 already (else it is retrieved here).
         """
-        bs = root_tokens.shape[0]
-        device = root_tokens.device
-        parts: list[Candidates] = []
         if self.config.uses_draft and drafts is None and self.draft_gate is None:
             raise ValueError(f"policy {self.config.policy!r} needs draft candidates")
-        if drafts is not None and self.config.uses_draft:
-            if self.config.uses_gates:
-                stop = stop_depths(continues or [], bs, device=device)
-                drafts = self.pruner.prune(drafts, stop)
-            parts.append(drafts)
-        if self.config.uses_retrieval:
-            parts.append(self.retrieve(rids) if retrieved is None else retrieved)
-        if not parts:
-            parts.append(Candidates.empty(bs, device))
-        return graft(root_tokens, parts, self.config.num_nodes)
+        if self.config.uses_retrieval and retrieved is None:
+            retrieved = self.retrieve(rids)
+        drafts = drafts if self.config.uses_draft else None
+        retrieved = retrieved if self.config.uses_retrieval else None
+        if self.compiled is not None:
+            return self.compiled.bucketed(root_tokens, drafts, continues or [], retrieved, self.config.draft_depth)
+        pruner = self.pruner if self.config.uses_gates else None
+        return prune_and_graft(pruner, root_tokens, drafts, continues or [], retrieved, self.config.num_nodes)
 
     def observe(
         self,
@@ -214,6 +216,31 @@ class GraftScheduler:
             self.retriever.observe(
                 rids, tree.tokens, tree.parents, tree.sources, accepted_mask, target_topk, tree_bins=tree.bins
             )
+
+
+def prune_and_graft(
+    pruner: ConfidencePruner | None,
+    root_tokens: torch.Tensor,
+    drafts: Candidates | None,
+    continues: Sequence[torch.Tensor],
+    retrieved: Candidates | None,
+    num_nodes: int,
+) -> GraftResult:
+    """A round's tensor work, host-free: prune the drafts (when gated), then graft them
+    and the retrieved nodes into one tree of ``num_nodes``. ``GraftScheduler.build_tree``
+    runs it eagerly; ``sglang_graft.compiled`` traces this same function."""
+    bs = root_tokens.shape[0]
+    device = root_tokens.device
+    parts: list[Candidates] = []
+    if drafts is not None:
+        if pruner is not None:
+            drafts = pruner.prune(drafts, stop_depths(list(continues), bs, device=device))
+        parts.append(drafts)
+    if retrieved is not None:
+        parts.append(retrieved)
+    if not parts:
+        parts.append(Candidates.empty(bs, device))
+    return graft(root_tokens, parts, num_nodes)
 
 
 def accepted_mask_from_nodes(accept_nodes: torch.Tensor, num_nodes: int) -> torch.Tensor:

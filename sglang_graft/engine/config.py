@@ -28,6 +28,7 @@ class EngineConfig:
         seed_draft: ``graft`` feeds the round's retrieved nodes to the draft model in its
             first forward (``engine.drafter``): the draft scores them, and drafts below
             them, at almost no extra cost. False: retrieval only fills the tree afterwards.
+        compile_core: build trees with the AOTInductor-compiled core (``sglang_graft.compiled``).
     """
 
     policy: str = "graft"
@@ -37,6 +38,7 @@ class EngineConfig:
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
+    compile_core: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ENGINE_POLICIES:
@@ -67,6 +69,7 @@ class EngineConfig:
             gates=self.gates,
             draft_cost_ratio=self.draft_cost_ratio,
             draft_depth=self.draft_depth,
+            compile_core=self.compile_core,
         )
 
 

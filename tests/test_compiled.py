@@ -1,0 +1,184 @@
+"""The AOTInductor-compiled round equals the eager round, follows live calibration, is
+cached, refuses a package that disagrees, and keeps the reference engine lossless.
+
+Compiling takes 15-40 s per shape on a small CPU, so the tests share one cache directory
+and few shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_graft import compiled as compiled_mod
+from sglang_graft.candidates import Candidates, Source
+from sglang_graft.compiled import CompiledRound, CompileError, pad_candidates
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.prune import ConfidencePruner, GateConfig
+from sglang_graft.scheduler import prune_and_graft
+from sglang_graft.tree import child_links, eagle_candidates
+
+TOPK, STEPS, N, BS = 2, 3, 8, 2
+GATES = GateConfig(min_node_score=0.05)
+
+
+def eagle_round(seed: int, bs: int = BS) -> tuple[Candidates, torch.Tensor, Candidates, torch.Tensor]:
+    """Random EAGLE draft outputs (``TOPK`` x ``STEPS``), gate masks, a retrieved chain
+    that repeats one drafted path (so merging happens) and the roots."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 50
+    scores, tokens, parents = [], [], []
+    p = torch.softmax(torch.randn(bs, vocab, generator=gen) * 2, -1)
+    tp, ti = p.topk(TOPK, -1)
+    cum = tp
+    scores.append(tp.unsqueeze(1))
+    tokens.append(ti)
+    parents.append(torch.arange(-1, TOPK).expand(bs, TOPK + 1))
+    for i in range(1, STEPS):
+        p = torch.softmax(torch.randn(bs * TOPK, vocab, generator=gen) * 2, -1)
+        tp, ti = p.topk(TOPK, -1)
+        expand = cum.unsqueeze(2) * tp.view(bs, TOPK, TOPK)
+        cum, ci = expand.flatten(1).topk(TOPK, -1)
+        scores.append(expand)
+        tokens.append(ti.view(bs, TOPK * TOPK))
+        parents.append(ci + TOPK * TOPK * (i - 1) + TOPK)
+    drafts = eagle_candidates(scores, tokens, parents, TOPK)
+    m = 4
+    chain_tokens = torch.randint(0, vocab, (bs, m), generator=gen)
+    chain_tokens[:, 0] = drafts.tokens[:, 0]  # the chain starts on the best draft child
+    retrieved = Candidates(
+        tokens=chain_tokens,
+        parents=(torch.arange(m) - 1).expand(bs, m).clone(),
+        scores=torch.tensor([0.7, 0.5, 0.3, 0.2]).expand(bs, m).clone(),
+        sources=torch.full((bs, m), int(Source.CONTEXT)),
+        valid=torch.tensor([True, True, True, False]).expand(bs, m).clone(),
+        bins=torch.randint(0, 4, (bs, m), generator=gen),
+    )
+    continues = torch.rand(bs, STEPS - 1, generator=gen) > 0.3
+    roots = torch.randint(0, vocab, (bs,), generator=gen)
+    return drafts, continues, retrieved, roots
+
+
+def eager(pruner, drafts, continues, retrieved, roots):
+    result = prune_and_graft(pruner, roots, drafts, list(continues.unbind(1)), retrieved, N)
+    return result, child_links(result.tree.parents)
+
+
+def assert_same(compiled_result, eager_pair) -> None:
+    expected, links = eager_pair
+    for name in ("tokens", "parents", "depths", "scores", "sources", "bins", "ancestors"):
+        assert torch.equal(getattr(compiled_result.tree, name), getattr(expected.tree, name)), name
+    assert torch.equal(compiled_result.num_merged, expected.num_merged)
+    for got, want in zip(compiled_result.tree.child_links(), links):
+        assert torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("compiled")
+
+
+@pytest.fixture(scope="module")
+def warm_cache(cache_dir):
+    """Compile the test shape once (the first test to need it pays)."""
+    pruner = ConfidencePruner(GATES)
+    drafts, continues, retrieved, roots = eagle_round(0)
+    with torch.inference_mode():
+        CompiledRound(pruner, N, cache_dir)(roots, drafts, continues, retrieved)
+    return cache_dir
+
+
+def test_padding_keeps_the_tree():
+    pruner = ConfidencePruner(GATES)
+    merged = 0
+    for seed in range(5):
+        drafts, continues, retrieved, roots = eagle_round(seed)
+        plain, _ = eager(pruner, drafts, continues, retrieved, roots)
+        gates = torch.cat([continues, torch.ones(BS, 3, dtype=torch.bool)], dim=1)
+        padded, _ = eager(pruner, pad_candidates(drafts, 32), gates, pad_candidates(retrieved, 8), roots)
+        for name in ("tokens", "parents", "depths", "scores", "sources", "bins"):
+            assert torch.equal(getattr(padded.tree, name), getattr(plain.tree, name)), (seed, name)
+        merged += int(plain.num_merged.sum())
+    assert merged > 0, "the chains should merge into the drafts: the test must cover merging"
+    with pytest.raises(ValueError, match="cannot pad 10 candidate columns down to 4"):
+        pad_candidates(drafts, 4)
+
+
+def test_compiled_round_equals_eager_and_reads_live_calibration(warm_cache):
+    pruner = ConfidencePruner(GATES)
+    round_ = CompiledRound(pruner, N, warm_cache)
+    drafts, continues, retrieved, roots = eagle_round(1)
+    with torch.inference_mode():
+        before = round_(roots, drafts, continues, retrieved)
+        assert_same(before, eager(pruner, drafts, continues, retrieved, roots))
+        # Teach the calibration that depth-1 drafts are always rejected: the same inputs
+        # must now score (and may select) differently, in both paths alike.
+        depths = torch.ones(64, dtype=torch.int64)
+        pruner.calibrator.observe(depths, torch.arange(64) % GATES.num_bins, torch.zeros(64, dtype=torch.bool))
+        after = round_(roots, drafts, continues, retrieved)
+        assert_same(after, eager(pruner, drafts, continues, retrieved, roots))
+        for seed in (2, 3):
+            inputs = eagle_round(seed)
+            assert_same(round_(inputs[3], inputs[0], inputs[1], inputs[2]), eager(pruner, *inputs))
+    assert not torch.equal(before.tree.scores, after.tree.scores)
+
+
+def test_package_is_reused_from_disk(warm_cache, monkeypatch):
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("the cached package should have been loaded")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    pruner = ConfidencePruner(GATES)
+    drafts, continues, retrieved, roots = eagle_round(4)
+    with torch.inference_mode():
+        got = CompiledRound(pruner, N, warm_cache)(roots, drafts, continues, retrieved)
+    assert_same(got, eager(pruner, drafts, continues, retrieved, roots))
+
+
+def test_a_package_that_disagrees_is_refused(warm_cache, monkeypatch):
+    real_load = torch._inductor.aoti_load_package
+
+    class Corrupt:
+        def __init__(self, path):
+            self.loader = self
+            self.real = real_load(path)
+
+        def boxed_run(self, inputs):
+            out = list(self.real.loader.boxed_run(inputs))
+            out[0] = out[0] + 1  # wrong tokens
+            return out
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", Corrupt)
+    drafts, continues, retrieved, roots = eagle_round(0)
+    with pytest.raises(CompileError, match="disagrees with the eager round"), torch.inference_mode():
+        CompiledRound(ConfidencePruner(GATES), N, warm_cache)(roots, drafts, continues, retrieved)
+
+
+def test_compile_failure_names_the_fix(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+    drafts, continues, retrieved, roots = eagle_round(0)
+    with pytest.raises(CompileError, match=r"C\+\+ compiler.*without --compile-core"), torch.inference_mode():
+        CompiledRound(ConfidencePruner(GATES), N, tmp_path)(roots, drafts, continues, retrieved)
+    assert list(tmp_path.iterdir()) == [], "a failed build must not leave files behind"
+
+
+def test_buckets_are_powers_of_two():
+    assert [compiled_mod._bucket(w) for w in (0, 1, 8, 9, 16, 17, 68)] == [8, 8, 8, 16, 16, 32, 128]
+
+
+def test_engine_with_compiled_core_is_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(tmp_path))
+    torch.set_num_threads(1)
+    target, draft = tiny_models("llama", vocab_size=200, seed=1, hidden=32)
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 11, 12, 13, 14, 15]
+    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate([prompt], 16).requests[0]
+    settings = dict(policy="graft", num_nodes=8, draft_depth=2, draft_topk=2, draft_cost_ratio=0.3)
+    plain = SpecEngine(target, draft, EngineConfig(**settings)).generate([prompt], 16).requests[0]
+    fast = SpecEngine(target, draft, EngineConfig(**settings, compile_core=True)).generate([prompt], 16).requests[0]
+    assert fast.token_ids == ar.token_ids
+    assert (fast.rounds, fast.draft_forwards, fast.accepted) == (plain.rounds, plain.draft_forwards, plain.accepted)
+    assert sum(fast.accepted.values()) > 0 and fast.draft_forwards > 0
+    assert any(p.name.endswith(".pt2") for p in (tmp_path / "compiled").iterdir())
