@@ -1,23 +1,29 @@
 """Microseconds per round for Graft's core: prune + graft + pack.
 
 Synthetic EAGLE draft outputs (topk 4, 5 steps: 68 candidates per request) plus a retrieved
-chain and a recycled subtree per request, at the given batch sizes and verify budgets.
-Prints a table (median of --reps rounds after --warmup); no assertions: numbers for notes.
+chain per request, at the given batch sizes and verify budgets. Columns: ``gates`` (the
+per-level confidence gates and the draft candidates from EAGLE's outputs), ``prune+graft``
+(eager ``prune_and_graft``, or with ``--compiled`` the AOTInductor package of the same
+code, ``sglang_graft.compiled``), ``pack`` (the verify layout, full mask). Prints a table
+(median of --reps rounds after --warmup); no assertions: numbers for notes. With
+``--compiled`` each new shape is compiled once (about half a minute on 2 cores) and cached.
 
-    .venv/bin/python scripts/bench_core.py [--device cuda] [--threads 2]
+    .venv/bin/python scripts/bench_core.py [--device cuda] [--threads 1] [--compiled]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 
 import torch
 
 from sglang_graft.candidates import Candidates, Source
-from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
-from sglang_graft.graft import graft
+from sglang_graft.compiled import CompiledRound
+from sglang_graft.prune import ConfidencePruner, GateConfig
+from sglang_graft.scheduler import prune_and_graft
 from sglang_graft.tree import eagle_candidates, pack
 
 
@@ -59,41 +65,55 @@ def main() -> None:
     ap.add_argument("--budgets", default="8,16,32,64")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--compiled", action="store_true", help="prune+graft through sglang_graft.compiled")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     dev = args.device
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     topk, steps, vocab = 4, 5, 32000
     pruner = ConfidencePruner(GateConfig(min_node_score=0.02), device=dev)
-    print(f"device={dev} threads={torch.get_num_threads()} topk={topk} steps={steps} (median us per round)")
-    print(f"{'bs':>4} {'n':>4} {'prune':>9} {'graft':>9} {'pack':>9} {'total':>9} {'us/req':>8}")
+    mode = "compiled (AOTInductor)" if args.compiled else "eager"
+    print(f"device={dev} threads={torch.get_num_threads()} topk={topk} steps={steps} {mode} (median us per round)")
+    rows = []
     for bs in map(int, args.batch_sizes.split(",")):
         for n in map(int, args.budgets.split(",")):
             gen = torch.Generator().manual_seed(bs * 1000 + n)
             s, t, p, chain = synthetic_round(bs, n, topk, steps, vocab, dev, gen)
             seq_lens = torch.full((bs,), 512, device=dev)
             roots = torch.zeros(bs, dtype=torch.long, device=dev)
-            times = {"prune": [], "graft": [], "pack": []}
-            for r in range(args.warmup + args.reps):
-                sync()
-                t0 = time.perf_counter()
-                cont = [pruner.step_continues(d + 1, s[d]) for d in range(steps)]
-                drafts = pruner.prune(eagle_candidates(s, t, p, topk), stop_depths(cont, bs, dev))
-                sync()
-                t1 = time.perf_counter()
-                tree, _ = graft(roots, [drafts, chain], n)
-                sync()
-                t2 = time.perf_counter()
-                pack(tree, seq_lens, "full", seq_lens_sum=512 * bs)
-                sync()
-                t3 = time.perf_counter()
-                if r >= args.warmup:
-                    times["prune"].append(t1 - t0)
-                    times["graft"].append(t2 - t1)
-                    times["pack"].append(t3 - t2)
+            compiled = CompiledRound(pruner, n) if args.compiled else None
+            times = {"gates": [], "prune+graft": [], "pack": []}
+            with torch.inference_mode():
+                for r in range(args.warmup + args.reps):
+                    sync()
+                    t0 = time.perf_counter()
+                    cont = [pruner.step_continues(d + 1, s[d]) for d in range(steps)]
+                    drafts = eagle_candidates(s, t, p, topk)
+                    sync()
+                    t1 = time.perf_counter()
+                    if compiled is None:
+                        tree = prune_and_graft(pruner, roots, drafts, cont, chain, n).tree
+                    else:
+                        tree = compiled(roots, drafts, torch.stack(cont, dim=1), chain).tree
+                    sync()
+                    t2 = time.perf_counter()
+                    pack(tree, seq_lens, "full", seq_lens_sum=512 * bs)
+                    sync()
+                    t3 = time.perf_counter()
+                    if r >= args.warmup:
+                        times["gates"].append(t1 - t0)
+                        times["prune+graft"].append(t2 - t1)
+                        times["pack"].append(t3 - t2)
             med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-            total = sum(med.values())
-            print(f"{bs:>4} {n:>4} {med['prune']:>9.0f} {med['graft']:>9.0f} {med['pack']:>9.0f} {total:>9.0f} {total / bs:>8.1f}")
+            rows.append((bs, n, med))
+    print(f"{'bs':>4} {'n':>4} {'gates':>9} {'prune+graft':>12} {'pack':>9} {'total':>9} {'us/req':>8}")
+    for bs, n, med in rows:
+        total = sum(med.values())
+        print(
+            f"{bs:>4} {n:>4} {med['gates']:>9.0f} {med['prune+graft']:>12.0f} {med['pack']:>9.0f} "
+            f"{total:>9.0f} {total / bs:>8.1f}"
+        )
 
 
 if __name__ == "__main__":
