@@ -8,6 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# AOTInductor (--compile-core, tests/test_compiled.py) builds the compiled core with a C++ compiler.
+if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing g++ (AOTInductor compiles the Graft core with it)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+  else
+    echo "[setup] no C++ compiler found: --compile-core and its tests need one (apt-get install g++)" >&2
+  fi
+fi
 EXTRAS=${GRAFT_EXTRAS:-sglang,engine,test,bench}
 stamp=".venv/.graft-setup-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
 if [ -f "$stamp" ]; then

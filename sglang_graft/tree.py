@@ -173,17 +173,22 @@ def child_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``build_tree_efficient`` kernel produces and its verify kernels walk.
 
     ``parents`` must be a tree (the root at column 0 with parent -1, every other parent an
-    earlier column). Both links are minima over one ``[bs, n, n]`` comparison each, which
-    for a verify tree's few dozen nodes is cheaper than sorting and needs no scatter.
+    earlier column). Sorting the nodes by ``(parent, column)`` lines up each parent's
+    children in index order, so one sort and two scatters give both links in ``O(n log n)``.
     """
-    n = parents.shape[1]
-    cols = arange_cached(n, parents.device)
-    later = cols.view(1, 1, n) > cols.view(1, n, 1)
-    sibling = (parents.unsqueeze(2) == parents.unsqueeze(1)) & later
-    next_sibling = torch.where(sibling, cols, n).amin(dim=2)
-    is_child = parents.unsqueeze(1) == cols.view(1, n, 1)  # [b, p, j]: j is a child of p
-    first_child = torch.where(is_child, cols, n).amin(dim=2)
-    return torch.where(first_child < n, first_child, -1), torch.where(next_sibling < n, next_sibling, -1)
+    bs, n = parents.shape
+    device = parents.device
+    order = torch.add(arange_cached(n, device), parents, alpha=n).argsort(dim=1)  # the root first
+    by_parent = parents.gather(1, order)
+    later, parent_of_later = order[:, 1:], by_parent[:, 1:]
+    same = parent_of_later == by_parent[:, :-1]  # sorted neighbours k, k + 1 are siblings
+    none = torch.full((bs, n), -1, dtype=torch.int64, device=device)
+    next_sibling = none.scatter(1, order[:, :-1], torch.where(same, later, -1))
+    # The first of each run of siblings is its parent's first child; the rest go to a spare column.
+    first_child = torch.full((bs, n + 1), -1, dtype=torch.int64, device=device)
+    first_child.scatter_(1, torch.where(same, n, parent_of_later), later)
+    # Contiguous: SGLang's kernels read these through raw pointers with row stride n.
+    return first_child[:, :n].contiguous(), next_sibling
 
 
 def pack(
