@@ -57,6 +57,18 @@ def synthetic_round(bs: int, n: int, topk: int, steps: int, vocab: int, device: 
     return move(score_list), move(token_list), move(parents_list), chain
 
 
+def small_op_us(reps: int = 2000) -> float:
+    """Median time of one tiny CPU tensor add: this host's per-op dispatch cost, printed so
+    that tables from different (or differently loaded) hosts can be compared."""
+    a, b = torch.ones(32), torch.ones(32)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.add(a, b)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -74,7 +86,10 @@ def main() -> None:
     topk, steps, vocab = 4, 5, 32000
     pruner = ConfidencePruner(GateConfig(min_node_score=0.02), device=dev)
     mode = "compiled (AOTInductor)" if args.compiled else "eager"
-    print(f"device={dev} threads={torch.get_num_threads()} topk={topk} steps={steps} {mode} (median us per round)")
+    print(
+        f"device={dev} threads={torch.get_num_threads()} topk={topk} steps={steps} {mode} (median us per round; "
+        f"one small torch op here: {small_op_us():.1f} us)"
+    )
     rows = []
     for bs in map(int, args.batch_sizes.split(",")):
         for n in map(int, args.budgets.split(",")):

@@ -55,6 +55,8 @@ _TRACED_MODULES = (
 #: 1.5x on a 2-core Xeon), and realizing small intermediates keeps the pointer-doubling
 #: chains from being inlined into a few thousand lines of generated code.
 _INDUCTOR_SETTINGS: dict[str, dict[str, object]] = {"cpu": {"cpp.simdlen": 1, "realize_opcount_threshold": 8}}
+#: Packages kept in the cache directory (about 2 MB each), least recently used evicted.
+MAX_PACKAGES = 64
 _CANDIDATE_FIELDS = tuple(f.name for f in fields(Candidates))
 _TREE_FIELDS = ("tokens", "parents", "depths", "scores", "sources", "bins", "ancestors")
 
@@ -185,6 +187,21 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _tidy(cache_dir: Path, keep: Path) -> None:
+    """Bound the cache: drop the least recently used packages beyond ``MAX_PACKAGES``, and
+    temporary files that an interrupted build left behind (older than an hour, so a
+    concurrent build's file is never touched)."""
+    now = time.time()
+    for tmp in cache_dir.glob("tmp*.pt2"):
+        if now - tmp.stat().st_mtime > 3600:
+            tmp.unlink(missing_ok=True)
+    packages = sorted(cache_dir.glob("round-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in packages[MAX_PACKAGES:]:
+        if old != keep:
+            log.info("evicting the least recently used compiled round %s", old.name)
+            old.unlink(missing_ok=True)
+
+
 class CompiledRound:
     """``prune_and_graft`` + ``child_links``, compiled once per ``RoundSignature``.
 
@@ -280,6 +297,9 @@ class CompiledRound:
                     "Run without --compile-core to use the eager round."
                 ) from exc
             log.info("compiled in %.0f s: %s", time.perf_counter() - start, path)
+            _tidy(self.cache_dir, keep=path)
+        else:
+            os.utime(path)  # recently used: the last to be evicted
         package_log = logging.getLogger("torch.export.pt2_archive._package")
         quiet = _HideIsaNote()
         package_log.addFilter(quiet)

@@ -192,3 +192,17 @@ def test_engine_with_compiled_core_is_lossless(tmp_path, monkeypatch):
     assert (fast.rounds, fast.draft_forwards, fast.accepted) == (plain.rounds, plain.draft_forwards, plain.accepted)
     assert sum(fast.accepted.values()) > 0 and fast.draft_forwards > 0
     assert any(p.name.endswith(".pt2") for p in (tmp_path / "compiled").iterdir())
+
+
+def test_cache_is_bounded_and_left_over_temp_files_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(compiled_mod, "MAX_PACKAGES", 3)
+    for i in range(5):
+        (tmp_path / f"round-{i}.pt2").write_bytes(b"x")
+        compiled_mod.os.utime(tmp_path / f"round-{i}.pt2", (1000 + i, 1000 + i))
+    stale, fresh = tmp_path / "tmpold.pt2", tmp_path / "tmpnew.pt2"
+    stale.write_bytes(b"")
+    compiled_mod.os.utime(stale, (1, 1))
+    fresh.write_bytes(b"")
+    compiled_mod._tidy(tmp_path, keep=tmp_path / "round-0.pt2")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["round-0.pt2", "round-2.pt2", "round-3.pt2", "round-4.pt2", "tmpnew.pt2"]
