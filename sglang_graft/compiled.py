@@ -132,15 +132,15 @@ class RoundSignature:
         )
 
     @staticmethod
-    def of(
-        flat: Sequence[torch.Tensor], drafts: Candidates | None, retrieved: Candidates | None, num_nodes: int
-    ) -> "RoundSignature":
+    def of(key: tuple, num_nodes: int, device: torch.device) -> "RoundSignature":
+        """From ``_flat_inputs``'s lookup key."""
+        draft_fields, retrieved_fields, *inputs = key
         return RoundSignature(
             num_nodes=num_nodes,
-            draft_fields=_present(drafts),
-            retrieved_fields=_present(retrieved),
-            inputs=tuple((tuple(t.shape), t.dtype) for t in flat),
-            device=flat[0].device.type,
+            draft_fields=draft_fields,
+            retrieved_fields=retrieved_fields,
+            inputs=tuple((tuple(shape), dtype) for shape, dtype in inputs),
+            device=device.type,
         )
 
 
@@ -172,12 +172,16 @@ def _flat_inputs(
     continues: torch.Tensor,
     retrieved: Candidates | None,
     counts: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, ...]:
-    out = [root_tokens, continues, *counts]
-    for c in (drafts, retrieved):
-        out.extend(getattr(c, f) for f in _present(c))
+) -> tuple[list[torch.Tensor], tuple]:
+    """The package's flat inputs, and the key of their signature (field names, then the
+    shape and dtype of every input): built on every call, so kept to one pass."""
+    draft_fields, retrieved_fields = _present(drafts), _present(retrieved)
+    flat = [root_tokens, continues, *counts]
+    flat += [getattr(drafts, f) for f in draft_fields]
+    flat += [getattr(retrieved, f) for f in retrieved_fields]
     # A package reads its inputs with the strides it was traced with: hand it dense ones.
-    return tuple(t if t.is_contiguous() else t.contiguous() for t in out)
+    flat = [t if t.is_contiguous() else t.contiguous() for t in flat]
+    return flat, (draft_fields, retrieved_fields, *[(t.shape, t.dtype) for t in flat])
 
 
 def _source_digest() -> str:
@@ -216,7 +220,7 @@ class CompiledRound:
         self.pruner = pruner
         self.num_nodes = num_nodes
         self.cache_dir = cache_dir or default_cache_dir()
-        self._runners: dict[RoundSignature, Callable[..., Sequence[torch.Tensor]]] = {}
+        self._runners: dict[tuple, Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]] = {}
 
     def __call__(
         self,
@@ -231,12 +235,12 @@ class CompiledRound:
         ``continues`` is ``[bs, L]`` bool (column ``d - 1``: may each request draft past
         level ``d``). The first call of a new signature compiles or loads its package.
         """
-        flat = _flat_inputs(root_tokens, drafts, continues, retrieved, self._counts(root_tokens.device))
-        sig = RoundSignature.of(flat, drafts, retrieved, self.num_nodes)
-        runner = self._runners.get(sig)
+        flat, key = _flat_inputs(root_tokens, drafts, continues, retrieved, self._counts(root_tokens.device))
+        runner = self._runners.get(key)
         if runner is None:
-            runner = self._runners[sig] = self._load(sig, flat)
-        out = runner(*flat)
+            sig = RoundSignature.of(key, self.num_nodes, root_tokens.device)
+            runner = self._runners[key] = self._load(sig, tuple(flat))
+        out = runner(flat)
         tree = TokenTree(*out[: len(_TREE_FIELDS)], links=(out[-2], out[-1]))  # type: ignore[misc]
         return GraftResult(tree, out[len(_TREE_FIELDS)])
 
@@ -270,7 +274,9 @@ class CompiledRound:
         gates = repr(None if self.pruner is None else self.pruner.config)
         return hashlib.sha256(f"{_source_digest()}|{sig}|{gates}".encode()).hexdigest()[:24]
 
-    def _load(self, sig: RoundSignature, flat: tuple[torch.Tensor, ...]) -> Callable[..., Sequence[torch.Tensor]]:
+    def _load(
+        self, sig: RoundSignature, flat: tuple[torch.Tensor, ...]
+    ) -> Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]:
         """Load or build the package for ``sig``, and check it against the eager round."""
         module = _RoundModule(self.pruner, sig)
         # Eager first: besides the reference, this fills the index-tensor caches
@@ -310,9 +316,9 @@ class CompiledRound:
         # The package's __call__ re-parses its pytree specs every call (tens of us); the
         # loader runs a flat tensor list directly, and the inputs here are flat already.
         loader = getattr(package, "loader", None)
-        runner = package if loader is None else (lambda *xs: loader.boxed_run(list(xs)))
+        runner = loader.boxed_run if loader is not None else (lambda xs: package(*xs))
         with torch.inference_mode():
-            got = runner(*flat)
+            got = runner(list(flat))
         if len(expected) != len(got) or not all(torch.equal(a, b) for a, b in zip(expected, got)):
             raise CompileError(
                 f"the compiled Graft round {path} disagrees with the eager round on its first inputs; "
