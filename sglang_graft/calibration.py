@@ -95,6 +95,17 @@ class AcceptanceCalibrator:
         base, slope = self._affine_tables()
         return torch.addcmul(base[cells], slope[cells], prior.float()).clamp_(0.0, 1.0)
 
+    def estimate_confidence(self, groups: torch.Tensor | int, confidence: torch.Tensor) -> torch.Tensor:
+        """``estimate(groups, confidence_bins(confidence, num_bins), confidence)`` in fewer
+        ops (the buckets are in range by construction): the draft gates call it per level."""
+        bins = (confidence.clamp(0.0, 1.0) * self.num_bins).long().clamp_(max=self.num_bins - 1)
+        if isinstance(groups, int):
+            cells = bins + min(max(groups, 0), self.num_groups - 1) * self.num_bins
+        else:
+            cells = torch.add(bins, groups.clamp(0, self.num_groups - 1), alpha=self.num_bins)
+        base, slope = self._affine_tables()
+        return torch.addcmul(base[cells], slope[cells], confidence).clamp_(0.0, 1.0)
+
     def observe(self, groups: torch.Tensor, bins: torch.Tensor, accepted: torch.Tensor) -> None:
         """Record one outcome per element: was the proposal accepted."""
         if accepted.numel() == 0:

@@ -109,10 +109,11 @@ class ConfidencePruner:
     def calibrated(self, depths: torch.Tensor | int, raw: torch.Tensor) -> torch.Tensor:
         """Map raw cumulative draft probabilities at ``depths`` (a tensor like ``raw``, or
         one depth for all) to P(path accepted)."""
-        raw = raw.float()
+        if raw.dtype != torch.float32:
+            raw = raw.float()
         if self.config.mode == "fixed":
             return raw
-        return self.calibrator.estimate(depths, confidence_bins(raw, self.config.num_bins), raw)
+        return self.calibrator.estimate_confidence(depths, raw)
 
     def step_continues(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
         """After drafting level ``depth`` (1-based), may each request draft deeper?

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import simulate_eagle_draft
-from sglang_graft.calibration import AcceptanceCalibrator
+from sglang_graft.calibration import AcceptanceCalibrator, confidence_bins
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.graft import graft, source_counts, summarise_paths
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
@@ -235,8 +235,6 @@ def test_online_calibration_converges_to_true_acceptance():
     raw = torch.tensor([0.9] * n_obs + [0.2] * n_obs)
     truth = torch.tensor([0.3] * n_obs + [0.6] * n_obs)
     accepted = torch.rand(2 * n_obs, generator=gen) < truth
-    from sglang_graft.calibration import confidence_bins
-
     pruner.calibrator.observe(depths, confidence_bins(raw, 20), accepted)
     est = pruner.calibrated(torch.tensor([1, 2]), torch.tensor([0.9, 0.2]))
     assert torch.allclose(est, torch.tensor([0.3, 0.6]), atol=0.03)
@@ -279,3 +277,16 @@ def test_tree_from_selection_hangs_orphans_under_root():
     tree.validate()
     assert tree.parents[0].tolist() == [-1, 0, 1]
     assert bool(ancestor_mask(tree.parents)[0, 2, 1])
+
+
+def test_estimate_confidence_is_estimate_on_confidence_buckets():
+    cal = AcceptanceCalibrator(5, 10, prior_strength=3.0, decay=0.9)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        cal.observe(torch.randint(0, 5, (40,), generator=gen), torch.randint(0, 10, (40,), generator=gen),
+                    torch.rand(40, generator=gen) > 0.5)
+    conf = torch.cat([torch.rand(30, generator=gen), torch.tensor([0.0, 1.0, 0.999999, -0.5, 1.5])])
+    groups = torch.randint(-1, 7, conf.shape, generator=gen)
+    assert torch.equal(cal.estimate_confidence(groups, conf), cal.estimate(groups, confidence_bins(conf, 10), conf))
+    for g in (-3, 0, 2, 9):
+        assert torch.equal(cal.estimate_confidence(g, conf), cal.estimate(g, confidence_bins(conf, 10), conf))
