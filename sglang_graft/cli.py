@@ -77,9 +77,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "forward scores them and drafts below them, at almost no extra cost)")
     p.add_argument("--compile-core", action="store_true",
                    help="build each round's tree with the AOTInductor-compiled core (sglang_graft.compiled): "
-                        "the same code in one native call, ~10x less overhead per round; each new shape "
-                        "compiles once (~20-40 s on 2 cores, needs a C++ compiler) and is cached under "
-                        "$SGLANG_GRAFT_CACHE (default ~/.cache/sglang-graft)")
+                        "the same code in one native call, 4-8x less tree-building time per round at batch size 1; "
+                        "each new shape compiles once (~20-40 s on 2 cores, needs a C++ compiler) and is "
+                        "cached under $SGLANG_GRAFT_CACHE (default ~/.cache/sglang-graft): time a bench only "
+                        "once the cache is warm")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16", "float64"), default=None,
                    help="model dtype (default: float32 for tiny models and on CPUs without native bf16 "
                         "matmul, where a multi-token bf16 forward costs about as much as one forward per token; "

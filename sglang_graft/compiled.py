@@ -122,13 +122,13 @@ class RoundSignature:
     device: str
 
     def describe(self) -> str:
-        shapes = {name: tuple(shape) for name, (shape, _) in zip(("roots", "gates"), self.inputs)}
-        widths = [len(self.draft_fields), len(self.retrieved_fields)]
-        draft_w = self.inputs[4][0][1] if widths[0] else 0
-        retrieved_w = self.inputs[4 + widths[0]][0][1] if widths[1] else 0
+        shapes = [shape for shape, _ in self.inputs]  # roots, gates, counts x2, drafts..., retrieved...
+        nd = len(self.draft_fields)
+        draft_width = shapes[4][1] if nd else 0
+        retrieved_width = shapes[4 + nd][1] if self.retrieved_fields else 0
         return (
-            f"bs={shapes['roots'][0]} n={self.num_nodes} gate levels={shapes['gates'][1]} "
-            f"draft columns={draft_w} retrieved columns={retrieved_w} on {self.device}"
+            f"bs={shapes[0][0]} n={self.num_nodes} gate levels={shapes[1][1]} draft columns={draft_width} "
+            f"retrieved columns={retrieved_width} on {self.device}"
         )
 
     @staticmethod
