@@ -35,6 +35,7 @@ from helpers import simulate_eagle_draft  # noqa: E402
 from sglang_graft.candidates import Candidates, Source  # noqa: E402
 from sglang_graft.graft import graft  # noqa: E402
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths  # noqa: E402
+from sglang_graft.scheduler import prune_and_graft  # noqa: E402
 from sglang_graft.sglang.settings import GraftSettings  # noqa: E402
 from sglang_graft.sglang.tree_step import DraftOutputs, TreeBuilder, flatten_draft_steps  # noqa: E402
 from sglang_graft.tree import child_links, eagle_candidates, pack  # noqa: E402
@@ -167,6 +168,53 @@ def run_round(case: dict, device: torch.device, timer: Timer) -> dict[str, torch
     return {k: v.detach().cpu() for k, v in out.items()}
 
 
+def graph_capture_check(case: dict, device: torch.device, reps: int) -> dict:
+    """The round's tensor work (``prune_and_graft`` + child links), captured once in a CUDA
+    graph and replayed: is the replay equal to the eager round, and how long does each take.
+
+    This is how the SGLang worker would build trees without a kernel launch per op (the
+    round has static shapes and no host sync); it is checked here before the worker does it.
+    """
+    c = {k: _to(v, device) for k, v in case.items()}
+    pruner = ConfidencePruner(GATES, device=device)
+    drafts = eagle_candidates(c["score_list"], c["token_list"], c["parents_list"], TOPK)
+    continues = [pruner.step_continues(d + 1, c["score_list"][d]) for d in range(STEPS - 1)]
+
+    def step() -> list[torch.Tensor]:
+        result = prune_and_graft(pruner, c["roots"], drafts, continues, c["chain"], c["n"])
+        t = result.tree
+        return [t.tokens, t.parents, t.depths, t.scores, t.sources, t.bins, t.ancestors, result.num_merged,
+                *child_links(t.parents)]
+
+    def timed(fn: Callable[[], object]) -> float:
+        ms = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms.append(start.elapsed_time(end))
+        return sorted(ms)[len(ms) // 2]
+
+    expected = step()  # also fills the index-tensor caches outside the capture
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = step()
+    except Exception as exc:  # report, do not fail: the eager round is what runs today
+        return {"status": f"capture failed: {type(exc).__name__}: {exc}"}
+    graph.replay()
+    torch.cuda.synchronize()
+    equal = all(torch.equal(a, b) for a, b in zip(expected, captured))
+    return {"status": "equal" if equal else "mismatch", "eager_ms": timed(step), "replay_ms": timed(graph.replay)}
+
+
 def compare(cpu: dict[str, torch.Tensor], dev: dict[str, torch.Tensor]) -> list[str]:
     """Names of outputs that differ (bit for bit) between the CPU and the device."""
     return [k for k in cpu if cpu[k].shape != dev[k].shape or not torch.equal(cpu[k], dev[k])]
@@ -246,8 +294,12 @@ def main() -> int:
             accepted = reference["greedy.accept_num"].float().mean().item()
             print(f"{bs:>4} {n:>4}  " + " ".join(f"{med[s]:>16.3f}" for s in STAGES)
                   + f"  {'yes' if not differing else 'NO: ' + ', '.join(differing)}")
-            info["configs"].append({"bs": bs, "n": n, "median_ms": med, "differing": differing,
-                                    "mean_greedy_accepted": accepted})
+            config = {"bs": bs, "n": n, "median_ms": med, "differing": differing, "mean_greedy_accepted": accepted}
+            if device.type == "cuda":
+                config["cuda_graph"] = graph_capture_check(case, device, reps)
+                print(f"{'':>10}prune+graft+links in a CUDA graph: {config['cuda_graph']}")
+                failed |= config["cuda_graph"]["status"] == "mismatch"
+            info["configs"].append(config)
     info["flashinfer"] = flashinfer_check(device)
     print(f"flashinfer tree attention vs SDPA: {info['flashinfer']}")
     failed |= info["flashinfer"]["status"] == "mismatch"

@@ -50,7 +50,10 @@ class AcceptanceCalibrator:
         self.decay = float(decay)
         self.proposed = torch.zeros(num_groups * num_bins, dtype=torch.float64, device=device)
         self.accepted = torch.zeros_like(self.proposed)
-        self._affine: tuple[torch.Tensor, torch.Tensor] | None = None  # see _affine_tables
+        # ``base + slope * prior`` per cell (see _affine_tables), float32, refreshed in place.
+        self._base = torch.zeros(num_groups * num_bins, dtype=torch.float32, device=device)
+        self._slope = torch.ones_like(self._base)
+        self._stale = False
 
     def with_counts(self, proposed: torch.Tensor, accepted: torch.Tensor) -> "AcceptanceCalibrator":
         """A calibrator with these settings that reads the given count tensors (not copies).
@@ -64,7 +67,9 @@ class AcceptanceCalibrator:
                 f"got {tuple(proposed.shape)} and {tuple(accepted.shape)}"
             )
         twin = copy.copy(self)
-        twin.proposed, twin.accepted, twin._affine = proposed, accepted, None
+        twin.proposed, twin.accepted = proposed, accepted
+        inv = 1.0 / (proposed + self.prior_strength)
+        twin._base, twin._slope, twin._stale = (accepted * inv).float(), (inv * self.prior_strength).float(), False
         return twin
 
     def _cells(self, groups: torch.Tensor | int, bins: torch.Tensor) -> torch.Tensor:
@@ -77,13 +82,21 @@ class AcceptanceCalibrator:
         """``(base, slope)`` float32 per cell, with the estimate ``base + slope * prior``.
 
         The posterior mean ``(a + s * prior) / (n + s)`` is affine in the prior; the two
-        tables change only in ``observe``, so they are built once per round rather than
-        on every estimate (gates estimate after each draft level).
+        tables change only in ``observe``, so they are rebuilt once after it rather than on
+        every estimate (gates estimate after each draft level). They are rewritten in
+        place, so a CUDA graph that captured an estimate reads the current tables, once
+        ``refresh_tables`` has run after the last ``observe``.
         """
-        if self._affine is None:
-            inv = 1.0 / (self.proposed + self.prior_strength)
-            self._affine = ((self.accepted * inv).float(), (inv * self.prior_strength).float())
-        return self._affine
+        if self._stale:
+            self.refresh_tables()
+        return self._base, self._slope
+
+    def refresh_tables(self) -> None:
+        """Rebuild the estimate tables from the counts now (otherwise done lazily)."""
+        inv = 1.0 / (self.proposed + self.prior_strength)
+        self._base.copy_(self.accepted * inv)
+        self._slope.copy_(inv * self.prior_strength)
+        self._stale = False
 
     def estimate(self, groups: torch.Tensor | int, bins: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
         """Posterior mean P(accept) per element (same shape as ``prior``, float32).
@@ -110,7 +123,7 @@ class AcceptanceCalibrator:
         """Record one outcome per element: was the proposal accepted."""
         if accepted.numel() == 0:
             return
-        self._affine = None
+        self._stale = True
         if self.decay < 1.0:
             self.proposed.mul_(self.decay)
             self.accepted.mul_(self.decay)

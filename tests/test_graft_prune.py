@@ -290,3 +290,16 @@ def test_estimate_confidence_is_estimate_on_confidence_buckets():
     assert torch.equal(cal.estimate_confidence(groups, conf), cal.estimate(groups, confidence_bins(conf, 10), conf))
     for g in (-3, 0, 2, 9):
         assert torch.equal(cal.estimate_confidence(g, conf), cal.estimate(g, confidence_bins(conf, 10), conf))
+
+
+def test_estimate_tables_are_rewritten_in_place_after_observe():
+    """A CUDA graph that captured an estimate keeps reading the same table storage."""
+    cal = AcceptanceCalibrator(2, 4, prior_strength=2.0)
+    conf = torch.tensor([0.1, 0.9])
+    before = cal.estimate_confidence(1, conf)
+    storage = (cal._base.data_ptr(), cal._slope.data_ptr())
+    cal.observe(torch.tensor([1, 1]), torch.tensor([0, 3]), torch.tensor([True, False]))
+    cal.refresh_tables()
+    assert (cal._base.data_ptr(), cal._slope.data_ptr()) == storage
+    after = cal.estimate_confidence(1, conf)
+    assert after[0] > before[0] and after[1] < before[1]
