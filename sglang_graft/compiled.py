@@ -78,16 +78,18 @@ def default_cache_dir() -> Path:
     return Path(root) / "compiled"
 
 
-def pad_candidates(c: Candidates, width: int) -> Candidates:
-    """``c`` widened to ``width`` columns with invalid padding (which grafting ignores)."""
-    extra = width - c.width
-    if extra < 0:
-        raise ValueError(f"cannot pad {c.width} candidate columns down to {width}")
-    if extra == 0:
+def pad_candidates(c: Candidates, width: int, rows: int | None = None) -> Candidates:
+    """``c`` widened to ``width`` columns (and ``rows`` requests) with invalid padding,
+    which grafting ignores: real rows keep their tree, padding rows get filler trees."""
+    rows = c.batch_size if rows is None else rows
+    extra, extra_rows = width - c.width, rows - c.batch_size
+    if extra < 0 or extra_rows < 0:
+        raise ValueError(f"cannot pad {c.batch_size} x {c.width} candidates down to {rows} x {width}")
+    if extra == 0 and extra_rows == 0:
         return c
 
     def grow(t: torch.Tensor | None, value: float | int | bool) -> torch.Tensor | None:
-        return None if t is None else F.pad(t, (0, extra), value=value)
+        return None if t is None else F.pad(t, (0, extra, 0, extra_rows), value=value)
 
     return Candidates(
         tokens=grow(c.tokens, 0),
@@ -101,9 +103,9 @@ def pad_candidates(c: Candidates, width: int) -> Candidates:
     )
 
 
-def _bucket(width: int) -> int:
-    """The smallest power of two >= ``width`` (at least 8)."""
-    return max(8, 1 << max(width - 1, 0).bit_length())
+def _bucket(size: int, least: int = 8) -> int:
+    """The smallest power of two >= ``size``, and at least ``least``."""
+    return max(least, 1 << max(size - 1, 0).bit_length())
 
 
 def _present(c: Candidates | None) -> tuple[str, ...]:
@@ -252,16 +254,25 @@ class CompiledRound:
         retrieved: Candidates | None,
         max_levels: int,
     ) -> GraftResult:
-        """``__call__`` for inputs whose widths change from round to round (an engine's):
-        candidate widths are padded up to a power of two and the gate masks to
-        ``max_levels`` columns, so a handful of packages serve every round."""
+        """``__call__`` for inputs whose shapes change from round to round (an engine's):
+        the batch and the candidate widths are padded up to powers of two and the gate
+        masks to ``max_levels`` columns, so a handful of packages serve every round."""
         bs = root_tokens.shape[0]
-        gates = torch.ones(bs, max(max_levels, len(continues)), dtype=torch.bool, device=root_tokens.device)
+        rows = _bucket(bs, least=1)
+        gates = torch.ones(rows, max(max_levels, len(continues)), dtype=torch.bool, device=root_tokens.device)
         if continues:
-            gates[:, : len(continues)] = torch.stack(list(continues), dim=1)
-        drafts = None if drafts is None else pad_candidates(drafts, _bucket(drafts.width))
-        retrieved = None if retrieved is None else pad_candidates(retrieved, _bucket(retrieved.width))
-        return self(root_tokens, drafts, gates, retrieved)
+            gates[:bs, : len(continues)] = torch.stack(list(continues), dim=1)
+        drafts = None if drafts is None else pad_candidates(drafts, _bucket(drafts.width), rows)
+        retrieved = None if retrieved is None else pad_candidates(retrieved, _bucket(retrieved.width), rows)
+        result = self(F.pad(root_tokens, (0, rows - bs)), drafts, gates, retrieved)
+        if rows == bs:
+            return result
+        t = result.tree
+        links = t.child_links()
+        tree = TokenTree(
+            *(getattr(t, f)[:bs] for f in _TREE_FIELDS), links=(links[0][:bs], links[1][:bs])  # type: ignore[misc]
+        )
+        return GraftResult(tree, result.num_merged[:bs])
 
     def _counts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pruner is None:

@@ -106,8 +106,20 @@ def test_padding_keeps_the_tree():
             assert torch.equal(getattr(padded.tree, name), getattr(plain.tree, name)), (seed, name)
         merged += int(plain.num_merged.sum())
     assert merged > 0, "the chains should merge into the drafts: the test must cover merging"
-    with pytest.raises(ValueError, match="cannot pad 10 candidate columns down to 4"):
+    with pytest.raises(ValueError, match="cannot pad 2 x 10 candidates down to 2 x 4"):
         pad_candidates(drafts, 4)
+
+
+def test_padding_rows_keeps_every_real_tree():
+    pruner = ConfidencePruner(GATES)
+    drafts, continues, retrieved, roots = eagle_round(7, bs=3)
+    plain, _ = eager(pruner, drafts, continues, retrieved, roots)
+    gates = torch.cat([continues, torch.ones(1, continues.shape[1], dtype=torch.bool)])
+    padded, _ = eager(pruner, pad_candidates(drafts, 16, 4), gates, pad_candidates(retrieved, 8, 4),
+                      torch.cat([roots, roots.new_zeros(1)]))
+    for name in ("tokens", "parents", "depths", "scores", "sources", "bins"):
+        assert torch.equal(getattr(padded.tree, name)[:3], getattr(plain.tree, name)), name
+    assert bool((padded.tree.sources[3, 1:] == int(Source.FILLER)).all())
 
 
 @needs_compiler
@@ -176,6 +188,7 @@ def test_compile_failure_names_the_fix(tmp_path, monkeypatch):
 
 def test_buckets_are_powers_of_two():
     assert [compiled_mod._bucket(w) for w in (0, 1, 8, 9, 16, 17, 68)] == [8, 8, 8, 16, 16, 32, 128]
+    assert [compiled_mod._bucket(b, least=1) for b in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
 
 
 @needs_compiler
@@ -183,14 +196,16 @@ def test_engine_with_compiled_core_is_lossless(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(tmp_path))
     torch.set_num_threads(1)
     target, draft = tiny_models("llama", vocab_size=200, seed=1, hidden=32)
-    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 11, 12, 13, 14, 15]
-    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate([prompt], 16).requests[0]
+    # Two requests of different lengths: a batch of 2 (then 1 once the first finishes).
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18, 11, 12, 13, 14, 15], [3, 1, 4, 1, 5, 9, 2, 6]]
+    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 16).requests
     settings = dict(policy="graft", num_nodes=8, draft_depth=2, draft_topk=2, draft_cost_ratio=0.3)
-    plain = SpecEngine(target, draft, EngineConfig(**settings)).generate([prompt], 16).requests[0]
-    fast = SpecEngine(target, draft, EngineConfig(**settings, compile_core=True)).generate([prompt], 16).requests[0]
-    assert fast.token_ids == ar.token_ids
-    assert (fast.rounds, fast.draft_forwards, fast.accepted) == (plain.rounds, plain.draft_forwards, plain.accepted)
-    assert sum(fast.accepted.values()) > 0 and fast.draft_forwards > 0
+    plain = SpecEngine(target, draft, EngineConfig(**settings)).generate(prompts, 16).requests
+    fast = SpecEngine(target, draft, EngineConfig(**settings, compile_core=True)).generate(prompts, 16).requests
+    for f, p, a in zip(fast, plain, ar):
+        assert f.token_ids == a.token_ids
+        assert (f.rounds, f.draft_forwards, f.accepted) == (p.rounds, p.draft_forwards, p.accepted)
+    assert sum(sum(f.accepted.values()) for f in fast) > 0 and sum(f.draft_forwards for f in fast) > 0
     assert any(p.name.endswith(".pt2") for p in (tmp_path / "compiled").iterdir())
 
 
