@@ -6,7 +6,8 @@ grafting, packing, greedy and sampled verification, and the SGLang plugin's tree
 once on the CPU and once on the chosen device, and requires every output to be equal.
 Stage times use CUDA events on a GPU (host timers on a CPU). Optionally, when FlashInfer
 is importable on a GPU, its tree attention over a grafted mask is compared with PyTorch's
-SDPA under the same mask.
+SDPA under the same mask. On a GPU it also captures the round's tensor work (prune, graft,
+child links) in a CUDA graph and compares the replay with the eager round, with both times.
 
 Runs where only torch is installed (no sglang, no transformers):
 
