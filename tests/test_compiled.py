@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from helpers import simulate_eagle_draft
 from sglang_graft import compiled as compiled_mod
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.compiled import CompiledRound, CompileError, pad_candidates
@@ -33,21 +34,7 @@ def eagle_round(seed: int, bs: int = BS) -> tuple[Candidates, torch.Tensor, Cand
     that repeats one drafted path (so merging happens) and the roots."""
     gen = torch.Generator().manual_seed(seed)
     vocab = 50
-    scores, tokens, parents = [], [], []
-    p = torch.softmax(torch.randn(bs, vocab, generator=gen) * 2, -1)
-    tp, ti = p.topk(TOPK, -1)
-    cum = tp
-    scores.append(tp.unsqueeze(1))
-    tokens.append(ti)
-    parents.append(torch.arange(-1, TOPK).expand(bs, TOPK + 1))
-    for i in range(1, STEPS):
-        p = torch.softmax(torch.randn(bs * TOPK, vocab, generator=gen) * 2, -1)
-        tp, ti = p.topk(TOPK, -1)
-        expand = cum.unsqueeze(2) * tp.view(bs, TOPK, TOPK)
-        cum, ci = expand.flatten(1).topk(TOPK, -1)
-        scores.append(expand)
-        tokens.append(ti.view(bs, TOPK * TOPK))
-        parents.append(ci + TOPK * TOPK * (i - 1) + TOPK)
+    scores, tokens, parents = simulate_eagle_draft(bs, TOPK, STEPS, vocab, gen)
     drafts = eagle_candidates(scores, tokens, parents, TOPK)
     m = 4
     chain_tokens = torch.randint(0, vocab, (bs, m), generator=gen)
