@@ -68,15 +68,18 @@ class AcceptanceCalibrator:
             )
         twin = copy.copy(self)
         twin.proposed, twin.accepted = proposed, accepted
-        inv = 1.0 / (proposed + self.prior_strength)
-        twin._base, twin._slope, twin._stale = (accepted * inv).float(), (inv * self.prior_strength).float(), False
+        (twin._base, twin._slope), twin._stale = self._tables_from(proposed, accepted), False
         return twin
 
     def _cells(self, groups: torch.Tensor | int, bins: torch.Tensor) -> torch.Tensor:
-        b = bins.long().clamp(0, self.num_bins - 1)
+        """Cell of each (group, in-range bin); groups are clamped to the grid."""
         if isinstance(groups, int):
-            return b + min(max(groups, 0), self.num_groups - 1) * self.num_bins
-        return torch.add(b, groups.long().clamp(0, self.num_groups - 1), alpha=self.num_bins)
+            return bins + min(max(groups, 0), self.num_groups - 1) * self.num_bins
+        return torch.add(bins, groups.long().clamp(0, self.num_groups - 1), alpha=self.num_bins)
+
+    def _tables_from(self, proposed: torch.Tensor, accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = 1.0 / (proposed + self.prior_strength)
+        return (accepted * inv).float(), (inv * self.prior_strength).float()
 
     def _affine_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(base, slope)`` float32 per cell, with the estimate ``base + slope * prior``.
@@ -93,9 +96,9 @@ class AcceptanceCalibrator:
 
     def refresh_tables(self) -> None:
         """Rebuild the estimate tables from the counts now (otherwise done lazily)."""
-        inv = 1.0 / (self.proposed + self.prior_strength)
-        self._base.copy_(self.accepted * inv)
-        self._slope.copy_(inv * self.prior_strength)
+        base, slope = self._tables_from(self.proposed, self.accepted)
+        self._base.copy_(base)
+        self._slope.copy_(slope)
         self._stale = False
 
     def estimate(self, groups: torch.Tensor | int, bins: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
@@ -104,7 +107,7 @@ class AcceptanceCalibrator:
         ``groups`` is a tensor like ``bins`` or one group for all. Out-of-range groups and
         bins are clamped to the edge cells.
         """
-        cells = self._cells(groups, bins)
+        cells = self._cells(groups, bins.long().clamp(0, self.num_bins - 1))
         base, slope = self._affine_tables()
         return torch.addcmul(base[cells], slope[cells], prior.float()).clamp_(0.0, 1.0)
 
@@ -112,10 +115,7 @@ class AcceptanceCalibrator:
         """``estimate(groups, confidence_bins(confidence, num_bins), confidence)`` in fewer
         ops (the buckets are in range by construction): the draft gates call it per level."""
         bins = (confidence.clamp(0.0, 1.0) * self.num_bins).long().clamp_(max=self.num_bins - 1)
-        if isinstance(groups, int):
-            cells = bins + min(max(groups, 0), self.num_groups - 1) * self.num_bins
-        else:
-            cells = torch.add(bins, groups.clamp(0, self.num_groups - 1), alpha=self.num_bins)
+        cells = self._cells(groups, bins)
         base, slope = self._affine_tables()
         return torch.addcmul(base[cells], slope[cells], confidence).clamp_(0.0, 1.0)
 
@@ -127,7 +127,7 @@ class AcceptanceCalibrator:
         if self.decay < 1.0:
             self.proposed.mul_(self.decay)
             self.accepted.mul_(self.decay)
-        cells = self._cells(groups, bins).reshape(-1)
+        cells = self._cells(groups, bins.long().clamp(0, self.num_bins - 1)).reshape(-1)
         self.proposed.scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.float64))
         self.accepted.scatter_add_(0, cells, accepted.reshape(-1).to(torch.float64))
 

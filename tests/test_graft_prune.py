@@ -303,3 +303,12 @@ def test_estimate_tables_are_rewritten_in_place_after_observe():
     assert (cal._base.data_ptr(), cal._slope.data_ptr()) == storage
     after = cal.estimate_confidence(1, conf)
     assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_out_of_range_buckets_go_to_the_edge_cells():
+    cal = AcceptanceCalibrator(3, 4, prior_strength=1.0)
+    cal.observe(torch.tensor([-2, 5, 1]), torch.tensor([-1, 9, 2]), torch.tensor([True, True, False]))
+    counts = cal.counts()
+    assert counts[0, 0] == 1 and counts[2, 3] == 1 and counts[1, 2] == 1 and counts.sum() == 3
+    est = cal.estimate(torch.tensor([-2, 5]), torch.tensor([-1, 9]), torch.tensor([0.0, 0.0]))
+    assert torch.allclose(est, torch.tensor([0.5, 0.5]))
