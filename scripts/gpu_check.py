@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import defaultdict
 import platform
 import sys
 import time
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers import simulate_eagle_draft  # noqa: E402
 from sglang_graft.candidates import Candidates, Source  # noqa: E402
+from sglang_graft.compiled import round_outputs  # noqa: E402
 from sglang_graft.graft import graft  # noqa: E402
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths  # noqa: E402
 from sglang_graft.scheduler import prune_and_graft  # noqa: E402
@@ -102,7 +104,7 @@ class Timer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.ms: dict[str, list[float]] = {s: [] for s in STAGES}
+        self.ms: dict[str, list[float]] = defaultdict(list)
 
     def run(self, stage: str, fn: Callable[[], object]) -> object:
         if self.cuda:
@@ -181,22 +183,8 @@ def graph_capture_check(case: dict, device: torch.device, reps: int) -> dict:
     drafts = eagle_candidates(c["score_list"], c["token_list"], c["parents_list"], TOPK)
     continues = [pruner.step_continues(d + 1, c["score_list"][d]) for d in range(STEPS - 1)]
 
-    def step() -> list[torch.Tensor]:
-        result = prune_and_graft(pruner, c["roots"], drafts, continues, c["chain"], c["n"])
-        t = result.tree
-        return [t.tokens, t.parents, t.depths, t.scores, t.sources, t.bins, t.ancestors, result.num_merged,
-                *child_links(t.parents)]
-
-    def timed(fn: Callable[[], object]) -> float:
-        ms = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms.append(start.elapsed_time(end))
-        return sorted(ms)[len(ms) // 2]
+    def step() -> tuple[torch.Tensor, ...]:
+        return round_outputs(prune_and_graft(pruner, c["roots"], drafts, continues, c["chain"], c["n"]))
 
     expected = step()  # also fills the index-tensor caches outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -213,7 +201,12 @@ def graph_capture_check(case: dict, device: torch.device, reps: int) -> dict:
     graph.replay()
     torch.cuda.synchronize()
     equal = all(torch.equal(a, b) for a, b in zip(expected, captured))
-    return {"status": "equal" if equal else "mismatch", "eager_ms": timed(step), "replay_ms": timed(graph.replay)}
+    timer = Timer(device)
+    for _ in range(reps):
+        timer.run("eager", step)
+        timer.run("replay", graph.replay)
+    med = {k: sorted(v)[len(v) // 2] for k, v in timer.ms.items()}
+    return {"status": "equal" if equal else "mismatch", "eager_ms": med["eager"], "replay_ms": med["replay"]}
 
 
 def compare(cpu: dict[str, torch.Tensor], dev: dict[str, torch.Tensor]) -> list[str]:

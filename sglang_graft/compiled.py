@@ -163,9 +163,14 @@ class _RoundModule(torch.nn.Module):
         drafts = Candidates(**dict(zip(sig.draft_fields, rest[:nd]))) if nd else None
         retrieved = Candidates(**dict(zip(sig.retrieved_fields, rest[nd:]))) if sig.retrieved_fields else None
         pruner = None if self.pruner is None else self.pruner.with_counts(proposed, accepted)
-        result = prune_and_graft(pruner, roots, drafts, continues.unbind(1), retrieved, sig.num_nodes)
-        tree = result.tree
-        return (*(getattr(tree, f) for f in _TREE_FIELDS), result.num_merged, *child_links(tree.parents))
+        return round_outputs(prune_and_graft(pruner, roots, drafts, continues.unbind(1), retrieved, sig.num_nodes))
+
+
+def round_outputs(result: GraftResult) -> tuple[torch.Tensor, ...]:
+    """A round as flat tensors: the tree's fields, ``num_merged``, then its child links
+    (what a package returns; also what a CUDA graph of the round would capture)."""
+    tree = result.tree
+    return (*(getattr(tree, f) for f in _TREE_FIELDS), result.num_merged, *child_links(tree.parents))
 
 
 def _flat_inputs(

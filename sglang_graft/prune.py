@@ -121,12 +121,19 @@ class ConfidencePruner:
         ``step_scores`` is ``[bs, ...]``: the cumulative scores of that level's candidates.
         Returns ``[bs]`` bool. The batch may stop drafting when none is True.
         """
-        bs = step_scores.shape[0]
         threshold = self.config.threshold_at(depth)
         if threshold is None:
-            return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
-        best = step_scores.reshape(bs, -1).amax(dim=1)
-        return self.calibrated(depth, best) >= threshold
+            return torch.ones(step_scores.shape[0], dtype=torch.bool, device=step_scores.device)
+        return self.level_confidence(depth, step_scores) >= threshold
+
+    def level_confidence(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
+        """``[bs]`` calibrated score of each request's best path at level ``depth``."""
+        return self.calibrated(depth, step_scores.reshape(step_scores.shape[0], -1).amax(dim=1))
+
+    def passes(self, depth: int, confidence: torch.Tensor) -> torch.Tensor:
+        """``step_continues`` from an already computed ``level_confidence``."""
+        threshold = self.config.threshold_at(depth)
+        return torch.ones_like(confidence, dtype=torch.bool) if threshold is None else confidence >= threshold
 
     def prune(self, drafts: Candidates, stop_depth: torch.Tensor) -> Candidates:
         """Keep draft nodes from levels no deeper than each request's ``stop_depth`` ``[bs]``

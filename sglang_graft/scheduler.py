@@ -133,12 +133,10 @@ class GraftScheduler:
         bs = step_scores.shape[0]
         if not self.config.uses_gates:
             return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
-        go = self.pruner.step_continues(depth, step_scores)
-        if self.depth_budget is not None:
-            best = step_scores.reshape(bs, -1).amax(dim=1)
-            q = self.pruner.calibrated(depth, best)
-            go = go & self.depth_budget.continues(depth, q).to(go.device)
-        return go
+        if self.depth_budget is None:
+            return self.pruner.step_continues(depth, step_scores)
+        q = self.pruner.level_confidence(depth, step_scores)  # one estimate for both tests
+        return self.pruner.passes(depth, q) & self.depth_budget.continues(depth, q).to(q.device)
 
     def retrieve(self, rids: Sequence[str]) -> Candidates | None:
         """This round's retrieved candidates (None for policies without retrieval)."""
