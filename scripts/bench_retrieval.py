@@ -143,6 +143,12 @@ def main() -> None:
         default=1,
         help="torch CPU threads (0: torch's default); retrieval tensors are tiny, extra threads only contend",
     )
+    ap.add_argument(
+        "--host-loop-max-batch",
+        type=int,
+        default=RetrieverConfig.host_loop_max_batch,
+        help="CPU batches up to this size run as host loops instead of tensor ops (0: never)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -164,7 +170,14 @@ def main() -> None:
     print(f"{'':>21} | {'us/req/round':^35} | {'':>5} {'ms':>9} | {'MB':>9} {'MB':>11} {'MB':>9}")
     print("-" * len(header))
     for hist in args.history:
-        r = Retriever(RetrieverConfig(vocab_size=args.vocab, history_max_tokens=max(hist, 1), device=args.device))
+        r = Retriever(
+            RetrieverConfig(
+                vocab_size=args.vocab,
+                history_max_tokens=max(hist, 1),
+                device=args.device,
+                host_loop_max_batch=args.host_loop_max_batch,
+            )
+        )
         t0 = time.perf_counter()
         filled = 0
         while filled < hist:

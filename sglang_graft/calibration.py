@@ -15,8 +15,12 @@ whole batch costs a handful of kernels and is identical on every tensor-parallel
 from __future__ import annotations
 
 import copy
+from array import array
+from collections.abc import Sequence
 
 import torch
+
+from sglang_graft.host_arrays import shared_array
 
 
 class AcceptanceCalibrator:
@@ -48,8 +52,17 @@ class AcceptanceCalibrator:
         self.num_bins = num_bins
         self.prior_strength = float(prior_strength)
         self.decay = float(decay)
-        self.proposed = torch.zeros(num_groups * num_bins, dtype=torch.float64, device=device)
-        self.accepted = torch.zeros_like(self.proposed)
+        cells = num_groups * num_bins
+        # On the CPU the counts live in host arrays too, for ``observe_cells``.
+        self.host_counts: tuple[array, array] | None = None
+        if torch.device(device).type == "cpu":
+            (host_proposed, self.proposed), (host_accepted, self.accepted) = (
+                shared_array("d", cells, 0.0) for _ in range(2)
+            )
+            self.host_counts = (host_proposed, host_accepted)
+        else:
+            self.proposed = torch.zeros(cells, dtype=torch.float64, device=device)
+            self.accepted = torch.zeros_like(self.proposed)
         # ``base + slope * prior`` per cell (see _affine_tables), float32, refreshed in place.
         self._base = torch.zeros(num_groups * num_bins, dtype=torch.float32, device=device)
         self._slope = torch.ones_like(self._base)
@@ -67,7 +80,7 @@ class AcceptanceCalibrator:
                 f"got {tuple(proposed.shape)} and {tuple(accepted.shape)}"
             )
         twin = copy.copy(self)
-        twin.proposed, twin.accepted = proposed, accepted
+        twin.proposed, twin.accepted, twin.host_counts = proposed, accepted, None
         (twin._base, twin._slope), twin._stale = self._tables_from(proposed, accepted), False
         return twin
 
@@ -130,6 +143,23 @@ class AcceptanceCalibrator:
         cells = self._cells(groups, bins.long().clamp(0, self.num_bins - 1)).reshape(-1)
         self.proposed.scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.float64))
         self.accepted.scatter_add_(0, cells, accepted.reshape(-1).to(torch.float64))
+
+    def observe_cells(self, cells: Sequence[int], accepted: Sequence[int]) -> None:
+        """``observe`` for host loops on a CPU calibrator: one outcome (0 or 1) per cell index
+        ``group * num_bins + bin`` (in range). The counts come out bit for bit as ``observe``
+        leaves them."""
+        if self.host_counts is None:
+            raise RuntimeError("observe_cells needs a calibrator on the CPU; use observe")
+        if not cells:
+            return
+        self._stale = True
+        if self.decay < 1.0:
+            self.proposed.mul_(self.decay)
+            self.accepted.mul_(self.decay)
+        proposed, accepted_counts = self.host_counts
+        for c, a in zip(cells, accepted):
+            proposed[c] += 1.0
+            accepted_counts[c] += a
 
     def rates(self) -> torch.Tensor:
         """Observed acceptance rate per cell, ``[num_groups, num_bins]``, NaN where unseen."""

@@ -150,6 +150,39 @@ def test_recycling_matches_a_priority_queue(seed, rates, budget):
             assert float(c.scores[0, i]) <= float(c.scores[0, p])
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    width=st.integers(1, 5),
+    rates=st.lists(st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.9]), min_size=3, max_size=3),
+    limit=st.integers(1, 14),
+)
+def test_host_loops_match_the_tensor_recycling_table(seed, width, rates, limit):
+    """``write_rows`` and ``best_existing`` (host loops) against ``write`` and ``propose``
+    (tensor ops), with short and long top-k rows, duplicate tokens and tied rates."""
+    rng = random.Random(seed)
+    vocab = 9
+    by_tensor, by_host = (RecyclingTable(vocab, 3, max_nodes=20, max_depth=3) for _ in range(2))
+    for _ in range(3):
+        tokens = torch.tensor([[rng.randrange(vocab) for _ in range(5)] for _ in range(2)])
+        ids = torch.tensor([[[rng.randrange(vocab) for _ in range(width)] for _ in range(5)] for _ in range(2)])
+        by_tensor.update(tokens, ids)
+        by_host.write_rows(tokens.view(-1).tolist(), array("i", ids.view(-1).tolist()), width)
+    everything = torch.arange(vocab)
+    assert torch.equal(by_host.successors(everything), by_tensor.successors(everything))
+    roots = list(range(vocab))
+    want = by_tensor.propose(torch.tensor(roots), rates, limit)
+    picks = by_host.best_existing(roots, rates, limit)
+    for b, (nodes, tokens) in enumerate(zip(picks.nodes, picks.tokens)):
+        n = int(want.valid[b].sum())
+        assert tokens == want.tokens[b, :n].tolist()
+        assert [picks.scores[j] for j in nodes] == want.scores[b, :n].tolist()
+        assert [picks.ranks[j] for j in nodes] == want.bins[b, :n].tolist()
+        position = {node: i for i, node in enumerate(nodes)}
+        parents = [position[picks.parents[j]] if picks.parents[j] >= 0 else -1 for j in nodes]
+        assert parents == want.parents[b, :n].tolist()
+
+
 def test_rank_template_is_best_first_and_topological():
     t = rank_template([0.6, 0.3, 0.1], max_nodes=10, max_depth=4)
     scores = t.scores([0.6, 0.3, 0.1])

@@ -16,6 +16,9 @@ Successors the table does not know (never-seen tokens) drop out with their subtr
 the final best-``budget`` selection takes the next-best existing nodes instead: the shape
 follows the table and the rates, not a fixed template.
 
+On the CPU the table's memory is a host ``array`` too, and small batches use host loops
+over it (``best_existing``, ``write_rows``): the same nodes without a tensor op per level.
+
 Unknown successors are -1, and the table has two extra rows: the last one (which index -1
 reaches) is all -1, so an unknown token's "successors" are unknown too and missing nodes
 propagate to their descendants with no masking; row ``vocab`` absorbs the writes of batch
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_graft.candidates import Candidates, Source
+from sglang_graft.host_arrays import shared_array
 from sglang_graft.retrieval.selection import PackedCandidates, budget_list, select_top
 from sglang_graft.retrieval.tokens import check_id_range, check_integer_ids
 
@@ -118,6 +123,16 @@ class RecycledNodes(NamedTuple):
     scores: list[float]  # per node: its path score
 
 
+class RecycledPicks(NamedTuple):
+    """``RecyclingTable.best_existing``: the best known template nodes below each root."""
+
+    parents: list[int]  # per template node (column): its parent's column, -1 for the root
+    ranks: list[int]  # per template node: its rank, which is its calibration bin
+    scores: list[float]  # per template node: its path score, rounded to float32
+    nodes: list[list[int]]  # per root: the picked template nodes, in selection order
+    tokens: list[list[int]]  # per root: those nodes' tokens
+
+
 class _DeviceTemplate:
     """A ``RankTemplate`` as device tensors, plus the rates it was built for."""
 
@@ -169,7 +184,13 @@ class RecyclingTable:
         self.max_depth = max_depth
         self.device = torch.device(device)
         self._trash_row = vocab_size
-        self._table = torch.full((vocab_size + 2, k), -1, dtype=torch.int32, device=self.device)
+        # On the CPU the table also lives in a host array, for the host-loop paths.
+        self._host: array | None = None
+        if self.device.type == "cpu":
+            self._host, flat = shared_array("i", (vocab_size + 2) * k, -1)
+            self._table = flat.view(vocab_size + 2, k)
+        else:
+            self._table = torch.full((vocab_size + 2, k), -1, dtype=torch.int32, device=self.device)
         self._template: _DeviceTemplate | None = None
 
     def memory_bytes(self) -> int:
@@ -251,6 +272,58 @@ class RecyclingTable:
         is_last = ordered != torch.nn.functional.pad(ordered[1:], (0, 1), value=-1)
         self._table[torch.where(is_last, ordered, self._trash_row)] = rows[perm].to(torch.int32)
 
+    def write_rows(self, tokens: list[int], rows: array, width: int) -> None:
+        """``write`` from the host, for CPU tables: ``rows`` is a flat ``array('i')`` of
+        ``width`` ids per token (best first, cut or padded with -1 to ``k``), and row ``i``
+        becomes the successors of ``tokens[i]``. Later positions overwrite earlier ones,
+        which is ``write``'s last-write-wins rule. Ids must be range-checked already."""
+        table, k = self._host_table(), self.k
+        if width >= k:
+            for i, t in enumerate(tokens):
+                table[t * k : t * k + k] = rows[i * width : i * width + k]
+        else:
+            pad = array("i", [-1]) * (k - width)
+            for i, t in enumerate(tokens):
+                table[t * k : t * k + k] = rows[i * width : i * width + width] + pad
+
+    def best_existing(self, roots: list[int], rank_rates: Sequence[float], limit: int) -> RecycledPicks:
+        """Per root, the ``limit`` best template nodes whose token the table knows, found by
+        host loops (CPU tables): what ``expand_tokens`` followed by a best-``limit``
+        selection keeps, without gathering every template node.
+
+        Nodes are walked in selection order (float32 score descending, then column), in
+        which a parent always precedes its children (a child never outscores its parent,
+        and its column is larger), so each token is read from its parent's. An unknown
+        node is skipped; its descendants then read the all -1 last row, as on the device.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 node per root, got {limit}")
+        t = self._device_template(rank_rates).template
+        scores = array("f", t.scores(rank_rates)).tolist()
+        order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+        table, k = self._host_table(), self.k
+        parents, ranks = t.parents, t.ranks
+        nodes, tokens = [], []
+        for root in roots:
+            known = [-1] * len(scores)
+            row_nodes: list[int] = []
+            for i in order:
+                p = parents[i]
+                token = table[(root if p < 0 else known[p]) * k + ranks[i]]
+                if token >= 0:
+                    known[i] = token
+                    row_nodes.append(i)
+                    if len(row_nodes) == limit:
+                        break
+            nodes.append(row_nodes)
+            tokens.append([known[i] for i in row_nodes])
+        return RecycledPicks(parents, ranks, scores, nodes, tokens)
+
+    def _host_table(self) -> array:
+        if self._host is None:
+            raise RuntimeError(f"the recycling table is on {self.device}; host-loop access needs a CPU table")
+        return self._host
+
     def expand(self, roots: torch.Tensor, rank_rates: Sequence[float]) -> PackedCandidates:
         """Every node of the current best-first template below each root (``[bs]`` int64).
 
@@ -270,8 +343,6 @@ class RecyclingTable:
     def expand_tokens(self, roots: torch.Tensor, rank_rates: Sequence[float]) -> RecycledNodes:
         """``expand`` with only the tokens on the device: the rest of each node is the same for
         every root, so a caller that packs other proposals on the host can add it there."""
-        if len(rank_rates) != self.k:
-            raise ValueError(f"rank_rates must have k={self.k} entries, got {len(rank_rates)}")
         t = self._device_template(rank_rates)
         bs = roots.shape[0]
         (_, first_ranks), *deeper = t.levels
@@ -296,6 +367,8 @@ class RecyclingTable:
         The order of rank paths changes only when the rates move materially; the scores
         themselves are always recomputed from the exact rates.
         """
+        if len(rank_rates) != self.k:
+            raise ValueError(f"rank_rates must have k={self.k} entries, got {len(rank_rates)}")
         key = tuple(round(math.log(max(r, 1e-6)) * 32) for r in rank_rates)
         if self._template is None or self._template.key != key:
             t = rank_template(rank_rates, self.max_nodes, self.max_depth)

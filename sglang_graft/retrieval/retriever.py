@@ -16,6 +16,12 @@ as ``retriever.history`` (``insert`` / ``evict`` per namespace).
 
 Determinism: no randomness, wall time, set iteration or string hashing anywhere; the same
 sequence of calls gives the same candidates in every process.
+
+Two implementations of a round, one result: batched tensor ops (on the GPU, and for large
+CPU batches) and, for small batches on the CPU, Python loops over host arrays that share
+memory with the tensors (``host_loop_max_batch``). On the CPU every tensor op costs
+microseconds of dispatch, so a round of a few dozen tiny ops costs more than looping over
+its few dozen nodes; tests drive both paths with the same calls and compare every output.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from sglang_graft.candidates import SOURCE_NAMES, Candidates, Source
+from sglang_graft.host_arrays import shared_array
 from sglang_graft.retrieval.context import ContextIndex, TokenWindow
 from sglang_graft.retrieval.continuations import EMPTY_PROPOSAL, HostProposal, Occurrence, continuation_tree
 from sglang_graft.retrieval.history import HistoryIndex
-from sglang_graft.retrieval.recycling import RecycledNodes, RecyclingTable
+from sglang_graft.retrieval.recycling import RecycledNodes, RecycledPicks, RecyclingTable
 from sglang_graft.retrieval.scoring import RETRIEVAL_SOURCES, RetrievalCalibration
-from sglang_graft.retrieval.selection import PackedCandidates, budget_list, select_top
+from sglang_graft.retrieval.selection import HostColumns, PackedCandidates, budget_list, select_top, select_top_host
 from sglang_graft.retrieval.tokens import TokenIds, check_id_range, check_integer_ids, tensor_bounds, token_array
 
 
@@ -59,6 +66,9 @@ class RetrieverConfig:
             engine's mode; inside SGLang the radix-cache glue feeds it instead).
         prior_strength, decay: of the acceptance calibration (``AcceptanceCalibrator``).
         device: where proposals are returned and the recycling table lives.
+        host_loop_max_batch: on the CPU, batches up to this size run ``propose`` and
+            ``observe`` as Python loops over host arrays instead of tensor operations
+            (same results; on small batches the ops' dispatch cost dominates); 0: never.
     """
 
     vocab_size: int
@@ -81,6 +91,7 @@ class RetrieverConfig:
     prior_strength: float = 8.0
     decay: float = 0.999
     device: str = "cpu"
+    host_loop_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
@@ -88,6 +99,8 @@ class RetrieverConfig:
         for name in ("context_ngram", "history_ngram", "max_continuation", "max_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_loop_max_batch < 0:
+            raise ValueError(f"host_loop_max_batch must be >= 0, got {self.host_loop_max_batch}")
 
 
 @dataclass(eq=False)
@@ -124,9 +137,17 @@ class Retriever:
         self.calibration = RetrievalCalibration(config.recycling_k, config.prior_strength, config.decay, self.device)
         self._requests: dict[Hashable, _Request] = {}
         # Counts kept on the device (no sync): proposed nodes per Source, and verified nodes
-        # per (Source, accepted) as cell ``2 * source + accepted``.
-        self._proposed = torch.zeros(len(Source), dtype=torch.int64, device=self.device)
-        self._outcomes = torch.zeros(2 * len(Source), dtype=torch.int64, device=self.device)
+        # per (Source, accepted) as cell ``2 * source + accepted``. On the CPU they live in
+        # host arrays too, for the host loops.
+        self._host_loops = self.device.type == "cpu" and config.host_loop_max_batch > 0
+        self._host_proposed: array | None = None
+        self._host_outcomes: array | None = None
+        if self.device.type == "cpu":
+            self._host_proposed, self._proposed = shared_array("q", len(Source), 0)
+            self._host_outcomes, self._outcomes = shared_array("q", 2 * len(Source), 0)
+        else:
+            self._proposed = torch.zeros(len(Source), dtype=torch.int64, device=self.device)
+            self._outcomes = torch.zeros(2 * len(Source), dtype=torch.int64, device=self.device)
         self._one = torch.ones((), dtype=torch.int64, device=self.device)
 
     # ----------------------------------------------------------------- lifecycle
@@ -197,6 +218,8 @@ class Retriever:
         top = max(budgets, default=0)
         if top == 0:
             return Candidates.empty(bs, self.device)
+        if self._host_loops and bs <= self.config.host_loop_max_batch:
+            return self._propose_on_host(reqs, budgets, top)
         recycled = None
         if self.recycling is not None:
             roots = torch.frombuffer(array("q", [r.window.last_token for r in reqs]), dtype=torch.int64)
@@ -257,7 +280,12 @@ class Retriever:
         if recycle:
             assert self.recycling is not None
             ids = self.recycling.target_ids(tree_tokens, target_topk, logits=target_logits)
-        self._check_tree_ids(tree_sources, tree_tokens, ids)
+            check_integer_ids("recycling tokens", tree_tokens)
+        if self._host_loops and bs <= self.config.host_loop_max_batch:
+            self._observe_on_host(tree_tokens, tree_parents, tree_sources, tree_bins, accepted_mask, ids)
+            return
+        checked = [tree_sources] if ids is None else [tree_sources, tree_tokens, ids]
+        self._check_tree_bounds(tensor_bounds([t for t in checked if t.numel()]))
         sources = tree_sources.long()
         accepted = accepted_mask.bool()
         self.calibration.observe(tree_parents.long(), sources, tree_bins.long(), accepted)
@@ -327,15 +355,10 @@ class Retriever:
         if len(dict.fromkeys(rids)) != len(rids):
             raise ValueError(f"request ids in a batch must be distinct, got {list(rids)!r}")
 
-    def _check_tree_ids(self, sources: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None) -> None:
-        """Range-check the verified tree's sources (and, when recycling records them, its
-        tokens and the target's ids) with one host sync: an id outside its range would
-        silently corrupt a shared table."""
-        checked = [sources]
-        if ids is not None:
-            check_integer_ids("recycling tokens", tokens)
-            checked += [tokens, ids]
-        bounds = tensor_bounds([t for t in checked if t.numel()])
+    def _check_tree_bounds(self, bounds: list[tuple[int, int]]) -> None:
+        """Range-check the ``(min, max)`` of the verified tree's sources (and, when recycling
+        records them, of its tokens and the target's ids): an id outside its range would
+        silently corrupt a shared table. (The tensor path reads them with one host sync.)"""
         lo, hi = bounds[0]
         if lo < 0 or hi >= len(Source):
             raise ValueError(f"tree_sources holds {lo if lo < 0 else hi}, outside the Source codes [0, {len(Source)})")
@@ -418,3 +441,75 @@ class Retriever:
             torch.cat([all_tokens.unsqueeze(0), rest]),
             torch.frombuffer(scores, dtype=torch.float32).view(bs, m).to(self.device),
         )
+
+    def _propose_on_host(self, reqs: list[_Request], budgets: list[int], top: int) -> Candidates:
+        """``propose``'s tensor path as host loops (CPU, small batches): the same kept nodes.
+
+        Only nodes that can make a request's top ``top`` are listed: its ``top`` best known
+        recycled nodes and every context and history node.
+        """
+        bs = len(reqs)
+        proposals = self._host_proposals(reqs, budgets) or [(EMPTY_PROPOSAL, EMPTY_PROPOSAL)] * bs
+        picks = RecycledPicks([], [], [], [[]] * bs, [[]] * bs)
+        if self.recycling is not None:
+            rates = self.calibration.step_rates(Source.RECYCLING)
+            picks = self.recycling.best_existing([r.window.last_token for r in reqs], rates, top)
+        n_rec = len(picks.scores)
+        width = min(top, n_rec + max(len(c.tokens) + len(h.tokens) for c, h in proposals))
+        rows = []
+        for (ctx, hist), nodes, tokens in zip(proposals, picks.nodes, picks.tokens):
+            nc, nh = len(ctx.tokens), len(hist.tokens)
+            rows.append(
+                HostColumns(
+                    columns=nodes + list(range(n_rec, n_rec + nc + nh)),
+                    tokens=tokens + ctx.tokens + hist.tokens,
+                    parents=[picks.parents[j] for j in nodes]
+                    + [p + n_rec if p >= 0 else -1 for p in ctx.parents]
+                    + [p + n_rec + nc if p >= 0 else -1 for p in hist.parents],
+                    sources=[int(Source.RECYCLING)] * len(nodes)
+                    + [int(Source.CONTEXT)] * nc
+                    + [int(Source.HISTORY)] * nh,
+                    bins=[picks.ranks[j] for j in nodes] + ctx.bins + hist.bins,
+                    scores=[picks.scores[j] for j in nodes] + array("f", ctx.scores + hist.scores).tolist(),
+                )
+            )
+        out = select_top_host(rows, budgets, width)
+        proposed = self._host_proposed
+        assert proposed is not None
+        for source, valid in zip(out.sources.view(-1).tolist(), out.valid.view(-1).tolist()):
+            proposed[source] += valid
+        return out
+
+    def _observe_on_host(
+        self,
+        tree_tokens: torch.Tensor,
+        tree_parents: torch.Tensor,
+        tree_sources: torch.Tensor,
+        tree_bins: torch.Tensor,
+        accepted_mask: torch.Tensor,
+        ids: torch.Tensor | None,
+    ) -> None:
+        """``observe``'s tensor path as host loops (CPU, small batches): the same updates."""
+        tokens, sources = tree_tokens.tolist(), tree_sources.tolist()
+        accepted = accepted_mask.bool().tolist()
+        flat_sources = [s for row in sources for s in row]
+        bounds = [(min(flat_sources), max(flat_sources))]
+        flat_tokens: list[int] = []
+        flat_ids = array("q")
+        if ids is not None:
+            flat_tokens = [t for row in tokens for t in row]
+            bounds.append((min(flat_tokens), max(flat_tokens)))
+            if ids.numel():
+                flat_ids, ids_view = shared_array("q", ids.numel(), 0)
+                ids_view.copy_(ids.reshape(-1))
+                bounds.append((min(flat_ids), max(flat_ids)))
+        self._check_tree_bounds(bounds)
+        self.calibration.observe_rows(tree_parents.tolist(), sources, tree_bins.tolist(), accepted)
+        outcomes = self._host_outcomes
+        assert outcomes is not None
+        for row_sources, row_accepted in zip(sources, accepted):
+            for source, acc in zip(row_sources, row_accepted):
+                outcomes[2 * source + acc] += 1
+        if ids is not None:
+            assert self.recycling is not None
+            self.recycling.write_rows(flat_tokens, array("i", flat_ids), ids.shape[-1])

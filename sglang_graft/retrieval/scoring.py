@@ -102,6 +102,7 @@ class RetrievalCalibration:
         for g, s in enumerate(RETRIEVAL_SOURCES):
             group_of[int(s)] = g
         self._group_of_source = group_of.to(device)
+        self._cell_offset_of_source: list[int] = (group_of * num_bins).tolist()
         self._num_bins = num_bins
         self._counts: tuple[list[float], list[float]] | None = None  # host copy of the calibrator's counts
         self._step: list[list[float] | None] = [None] * len(RETRIEVAL_SOURCES)
@@ -125,10 +126,8 @@ class RetrievalCalibration:
         if rates is None:
             if self._counts is None:
                 cells = len(self._prior_list)
-                self._counts = (
-                    self.calibrator.proposed[:cells].tolist(),
-                    self.calibrator.accepted[:cells].tolist(),
-                )
+                counts = self.calibrator.host_counts or (self.calibrator.proposed, self.calibrator.accepted)
+                self._counts = (counts[0][:cells].tolist(), counts[1][:cells].tolist())
             proposed, accepted = self._counts
             s = self.calibrator.prior_strength
             cells = range(g * self._num_bins, g * self._num_bins + (self.rank_k if g == 0 else self._num_bins))
@@ -153,5 +152,32 @@ class RetrievalCalibration:
         parent_accepted = accepted.gather(1, parents.clamp(min=0)) | (parents == 0)
         groups = torch.where(parent_accepted, self._group_of_source[sources], _TRASH_GROUP)
         self.calibrator.observe(groups, bins, accepted)
+        self._forget_rates()
+
+    def observe_rows(
+        self,
+        parents: list[list[int]],
+        sources: list[list[int]],
+        bins: list[list[int]],
+        accepted: list[list[bool]],
+    ) -> None:
+        """``observe`` on host lists (a CPU calibration only), with the same result: one
+        Python pass over the nodes is far cheaper than a dozen tensor ops on small batches."""
+        # Cells as the calibrator computes them (group * num_bins + bin, bins clamped),
+        # with the group's offset looked up per source.
+        top_bin = self.calibrator.num_bins - 1
+        offset_of, trash = self._cell_offset_of_source, _TRASH_GROUP * self.calibrator.num_bins
+        cells: list[int] = []
+        outcomes: list[bool] = []
+        for row_parents, row_sources, row_bins, row_accepted in zip(parents, sources, bins, accepted):
+            for p, s, b, a in zip(row_parents, row_sources, row_bins, row_accepted):
+                offset = offset_of[s] if p == 0 or row_accepted[p if p > 0 else 0] else trash
+                cells.append(offset + (b if 0 <= b <= top_bin else (0 if b < 0 else top_bin)))
+                outcomes.append(a)
+        self.calibrator.observe_cells(cells, outcomes)
+        self._forget_rates()
+
+    def _forget_rates(self) -> None:
+        """Drop the host copies of the counts and rates after the counts moved."""
         self._counts = None
         self._step = [None] * len(RETRIEVAL_SOURCES)

@@ -13,11 +13,12 @@ lets one gather move every field at once.
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple
 
 import torch
 
-from sglang_graft.candidates import Candidates
+from sglang_graft.candidates import Candidates, Source
 from sglang_graft.tree import arange_cached
 
 TOKENS, PARENTS, SOURCES, BINS = range(4)
@@ -66,6 +67,66 @@ def select_top(packed: PackedCandidates, budget: int | torch.Tensor, width: int)
         sources=picked[SOURCES],
         valid=keep,
         bins=picked[BINS],
+    )
+
+
+class HostColumns(NamedTuple):
+    """One request's proposals on the host, for ``select_top_host``.
+
+    Every node is a column of the request's packed block (``columns``), listed in
+    ``select_top``'s order within each source (score descending, then column ascending)
+    and the sources concatenated in column order; padding and unknown nodes are left out.
+    ``parents`` are columns too (-1: the root); ``scores`` are float32 values, as the
+    packed tensor would hold them.
+    """
+
+    columns: list[int]
+    tokens: list[int]
+    parents: list[int]
+    sources: list[int]
+    bins: list[int]
+    scores: list[float]
+
+
+def select_top_host(rows: list[HostColumns], budgets: list[int], width: int) -> Candidates:
+    """``select_top`` as host loops (CPU), for small batches where a dozen tensor ops cost
+    more than sorting a few dozen floats: the same kept nodes, in the same columns.
+
+    Concatenated sources already in order, ``sorted(reverse=True)`` (stable) reproduces the
+    tensor sort's (score descending, column ascending) order. Padding columns are
+    canonical (token and parent -1, source FILLER, bin 0, score 0); the tensor version
+    leaves whatever it gathered there, and both mark them ``valid`` False.
+    """
+    bs = len(rows)
+    if width <= 0:
+        return Candidates.empty(bs)
+    tokens, parents, sources, bins = array("q"), array("q"), array("q"), array("q")
+    scores = array("f")
+    for row, budget in zip(rows, budgets):
+        order = sorted(range(len(row.scores)), key=row.scores.__getitem__, reverse=True)[: min(budget, width)]
+        position = {row.columns[i]: j for j, i in enumerate(order)}
+        for i in order:
+            tokens.append(row.tokens[i])
+            parent = row.parents[i]
+            parents.append(position[parent] if parent >= 0 else -1)
+            sources.append(row.sources[i])
+            bins.append(row.bins[i])
+            scores.append(row.scores[i])
+        pad = width - len(order)
+        tokens.extend([-1] * pad)
+        parents.extend([-1] * pad)
+        sources.extend([int(Source.FILLER)] * pad)
+        bins.extend([0] * pad)
+        scores.extend([0.0] * pad)
+    fields = torch.frombuffer(tokens + parents + sources + bins, dtype=torch.int64).view(4, bs, width)
+    tokens_t, parents_t, sources_t, bins_t = fields.unbind()
+    return Candidates(
+        tokens=tokens_t,
+        parents=parents_t,
+        scores=torch.frombuffer(scores, dtype=torch.float32).view(bs, width),
+        sources=sources_t,
+        valid=tokens_t >= 0,
+        bins=bins_t,
     )
 
 
