@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from array import array
 
@@ -20,6 +21,7 @@ from sglang_graft.retrieval import (
     continuation_tree,
     match_bin,
     rank_template,
+    rounded_rates,
 )
 
 # ----------------------------------------------------------------------------- recycling
@@ -77,6 +79,8 @@ def test_recycling_rejects_bad_ids():
         t.propose(torch.tensor([1]), [0.5, 0.2], -2)
     with pytest.raises(ValueError, match="rank_rates must have k=2"):
         t.propose(torch.tensor([1]), [0.5], 2)
+    with pytest.raises(ValueError, match=r"rank_rates must be probabilities in \[0, 1\], got \[0.5, 1.5\]"):
+        t.propose(torch.tensor([1]), [0.5, 1.5], 2)
     with pytest.raises(ValueError, match="vocab_size"):
         RecyclingTable(0)
 
@@ -90,7 +94,8 @@ def test_recycling_best_first_exact():
     assert c.parents.tolist() == [[-1, 0, 1, -1]]
     assert c.bins.tolist() == [[0, 0, 0, 1]]
     assert c.sources.tolist() == [[int(Source.RECYCLING)] * 4]
-    assert c.scores[0].tolist() == pytest.approx([0.8, 0.64, 0.512, 0.3])
+    q, q1 = rounded_rates([0.8, 0.3])
+    assert c.scores[0].tolist() == pytest.approx([q, q * q, q * q * q, q1])
 
 
 def test_recycling_shape_follows_the_table():
@@ -99,7 +104,8 @@ def test_recycling_shape_follows_the_table():
     c = t.propose(torch.tensor([0]), [0.8, 0.3], 3)
     assert c.tokens.tolist() == [[1, 2, 7]]
     assert c.parents.tolist() == [[-1, -1, 1]]
-    assert c.scores[0].tolist() == pytest.approx([0.8, 0.3, 0.24])
+    q0, q1 = rounded_rates([0.8, 0.3])
+    assert c.scores[0].tolist() == pytest.approx([q0, q1, q1 * q0])
 
 
 def test_recycling_budget_tensor_and_unknown_root():
@@ -138,7 +144,7 @@ def test_recycling_matches_a_priority_queue(seed, rates, budget):
     c = t.propose(torch.tensor([0]), rates, budget)
     c.validate(vocab)
     n = int(c.valid.sum())
-    expected = _oracle_best_first(rows, 0, rates, depth)[:budget]
+    expected = _oracle_best_first(rows, 0, rounded_rates(rates), depth)[:budget]
     assert c.scores[0, :n].tolist() == pytest.approx(expected, rel=1e-5)
     # Every node really is the parent's successor at its rank, and scores never rise.
     succ = t.successors(torch.arange(vocab)).tolist()
@@ -183,9 +189,34 @@ def test_host_loops_match_the_tensor_recycling_table(seed, width, rates, limit):
         assert parents == want.parents[b, :n].tolist()
 
 
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8))
+def test_rounded_rates_stay_within_half_a_step(rates):
+    for r, q in zip(rates, rounded_rates(rates)):
+        assert 0.0 < q <= 1.0
+        assert abs(math.log(q) - math.log(max(r, 1e-6))) <= 0.5 / 32 + 1e-12
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    base=st.lists(st.floats(0.02, 1.0), min_size=2, max_size=2),
+    moves=st.lists(st.lists(st.floats(-0.04, 0.04), min_size=2, max_size=2), min_size=1, max_size=12),
+)
+def test_reused_templates_follow_the_rounded_rates_exactly(base, moves):
+    """Rates drifting by a few percent per round (so the template is sometimes reused,
+    sometimes rebuilt): every proposal is scored by exactly the current rounded rates."""
+    t = _table(10, 2, {0: [1, 2], 1: [3, 4], 2: [5, 6], 3: [7, 8]}, max_nodes=6, max_depth=2)
+    rates = list(base)
+    for move in moves:
+        rates = [min(1.0, max(0.01, r * (1 + m))) for r, m in zip(rates, move)]
+        c = t.propose(torch.tensor([0]), rates, 6)
+        q0, q1 = rounded_rates(rates)
+        want = sorted([q0, q1, q0 * q0, q0 * q1, q1 * q0, q1 * q1], reverse=True)
+        assert c.scores[0].tolist() == pytest.approx(want, rel=1e-6)
+
+
 def test_rank_template_is_best_first_and_topological():
     t = rank_template([0.6, 0.3, 0.1], max_nodes=10, max_depth=4)
-    scores = t.scores([0.6, 0.3, 0.1])
+    scores = t.scores
     assert len(t.parents) == 10
     assert all(p < i for i, p in enumerate(t.parents))
     # The 10 best rank paths: 0.6, 0.36, 0.3, 0.216, 0.18 (x2), 0.1296, 0.108 (x3).

@@ -8,7 +8,7 @@ on their own for tests and tools.
 from sglang_graft.retrieval.context import ContextIndex, TokenWindow
 from sglang_graft.retrieval.continuations import HostProposal, Occurrence, continuation_tree
 from sglang_graft.retrieval.history import HistoryIndex
-from sglang_graft.retrieval.recycling import RankTemplate, RecyclingTable, rank_template
+from sglang_graft.retrieval.recycling import RankTemplate, RecyclingTable, rank_template, rounded_rates
 from sglang_graft.retrieval.retriever import Retriever, RetrieverConfig
 from sglang_graft.retrieval.scoring import RETRIEVAL_SOURCES, RetrievalCalibration, length_bucket, match_bin
 from sglang_graft.retrieval.selection import PackedCandidates, select_top
@@ -30,5 +30,6 @@ __all__ = [
     "length_bucket",
     "match_bin",
     "rank_template",
+    "rounded_rates",
     "select_top",
 ]

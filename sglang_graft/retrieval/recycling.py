@@ -8,10 +8,11 @@ tokens, k = 8) it takes 4.9 MB.
 
 Proposing is a best-first expansion from the root through the table, scored in the common
 currency: a node's score is the product of the calibrated step rates of the ranks along
-its path (rank 0 = the target's top-1). Since the score depends only on the ranks, the
-best-first order over rank paths is computed once on the host (a lazy priority queue,
-``rank_template``) and recomputed only when the calibrated rates move; each round then
-gathers the actual tokens level by level on the device, for the whole batch at once.
+its path (rank 0 = the target's top-1), each rate rounded to ~3% (``rounded_rates``).
+Since the score depends only on the ranks, the best-first order over rank paths and the
+scores are computed once on the host (a lazy priority queue, ``rank_template``) and
+recomputed only when a rounded rate moves; each round then gathers the actual tokens
+level by level on the device, for the whole batch at once.
 Successors the table does not know (never-seen tokens) drop out with their subtrees, and
 the final best-``budget`` selection takes the next-best existing nodes instead: the shape
 follows the table and the rates, not a fixed template.
@@ -50,18 +51,13 @@ class RankTemplate:
         parents: per node, the index of its parent node, -1 for children of the root.
         ranks: per node, the rank of its token in its parent's successor row.
         levels: per depth, ``(parent position in the previous level, rank)`` of its nodes.
+        scores: per node, its path score: the product of its ranks' step rates.
     """
 
     parents: list[int]
     ranks: list[int]
     levels: list[tuple[list[int], list[int]]]
-
-    def scores(self, rank_rates: Sequence[float]) -> list[float]:
-        """Path score of every node: the product of its ranks' step rates."""
-        out: list[float] = []
-        for p, r in zip(self.parents, self.ranks):
-            out.append(rank_rates[r] * (1.0 if p < 0 else out[p]))
-        return out
+    scores: list[float]
 
 
 def rank_template(rank_rates: Sequence[float], max_nodes: int, max_depth: int) -> RankTemplate:
@@ -111,7 +107,33 @@ def rank_template(rank_rates: Sequence[float], max_nodes: int, max_depth: int) -
         parents=[new_index[parents[i]] if parents[i] >= 0 else -1 for i in order],
         ranks=[ranks[i] for i in order],
         levels=levels,
+        scores=[scores[i] for i in order],
     )
+
+
+#: Rates are rounded to this many steps per unit of log: 1/32, about 3%.
+_STEPS_PER_LOG_UNIT = 32
+
+
+def _rate_steps(rank_rates: Sequence[float]) -> tuple[int, ...]:
+    if min(rank_rates) < 0.0 or max(rank_rates) > 1.0:
+        raise ValueError(f"rank_rates must be probabilities in [0, 1], got {list(rank_rates)}")
+    return tuple(round(math.log(max(r, 1e-6)) * _STEPS_PER_LOG_UNIT) for r in rank_rates)
+
+
+def _rates_of_steps(steps: Sequence[int]) -> list[float]:
+    return [math.exp(q / _STEPS_PER_LOG_UNIT) for q in steps]
+
+
+def rounded_rates(rank_rates: Sequence[float]) -> list[float]:
+    """The step rates recycled scores are built from: each rounded to the nearest
+    1/32 step of its log (about 3%; at least 1e-6).
+
+    Calibrated rates are estimates noisier than that, and with rounded rates the best-first
+    template (its order and its scores) is a function of the rounded rates alone: it is
+    rebuilt when one of them changes, typically every few dozen rounds, not every round.
+    """
+    return _rates_of_steps(_rate_steps(rank_rates))
 
 
 class RecycledNodes(NamedTuple):
@@ -133,8 +155,9 @@ class RecycledPicks(NamedTuple):
     tokens: list[list[int]]  # per root: those nodes' tokens
 
 
-class _DeviceTemplate:
-    """A ``RankTemplate`` as device tensors, plus the rates it was built for."""
+class _BuiltTemplate:
+    """A ``RankTemplate`` with what every round reuses until the rounded rates move:
+    device index tensors, the packed fields and scores, and the host selection order."""
 
     def __init__(self, t: RankTemplate, key: tuple[int, ...], device: torch.device) -> None:
         self.template = t
@@ -150,6 +173,15 @@ class _DeviceTemplate:
             dtype=torch.int64,
             device=device,
         ).view(3, 1, self.size)
+        self.scores = torch.tensor([t.scores], dtype=torch.float32, device=device)
+        # Rates strictly between these bounds (their step's edges, narrowed by a margin far
+        # above rounding error) round to ``key``, so they need no logarithms.
+        margin = 1e-6
+        self.low = [math.exp((q - 0.5 + margin) / _STEPS_PER_LOG_UNIT) for q in key]
+        self.high = [min(math.exp((q + 0.5 - margin) / _STEPS_PER_LOG_UNIT), 1.0) for q in key]
+        # Host loops: the scores as float32 values and the nodes in select_top's order.
+        self.scores32: list[float] = array("f", t.scores).tolist()
+        self.order = sorted(range(self.size), key=self.scores32.__getitem__, reverse=True)
 
 
 class RecyclingTable:
@@ -191,7 +223,7 @@ class RecyclingTable:
             self._table = flat.view(vocab_size + 2, k)
         else:
             self._table = torch.full((vocab_size + 2, k), -1, dtype=torch.int32, device=self.device)
-        self._template: _DeviceTemplate | None = None
+        self._template: _BuiltTemplate | None = None
 
     def memory_bytes(self) -> int:
         return self._table.numel() * self._table.element_size()
@@ -298,14 +330,13 @@ class RecyclingTable:
         """
         if limit < 1:
             raise ValueError(f"limit must be >= 1 node per root, got {limit}")
-        t = self._device_template(rank_rates).template
-        scores = array("f", t.scores(rank_rates)).tolist()
-        order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+        built = self._built_template(rank_rates)
+        order = built.order
         table, k = self._host_table(), self.k
-        parents, ranks = t.parents, t.ranks
+        parents, ranks = built.template.parents, built.template.ranks
         nodes, tokens = [], []
         for root in roots:
-            known = [-1] * len(scores)
+            known = [-1] * built.size
             row_nodes: list[int] = []
             for i in order:
                 p = parents[i]
@@ -317,7 +348,7 @@ class RecyclingTable:
                         break
             nodes.append(row_nodes)
             tokens.append([known[i] for i in row_nodes])
-        return RecycledPicks(parents, ranks, scores, nodes, tokens)
+        return RecycledPicks(parents, ranks, built.scores32, nodes, tokens)
 
     def _host_table(self) -> array:
         if self._host is None:
@@ -337,13 +368,12 @@ class RecyclingTable:
         bs, size = nodes.tokens.shape
         assert self._template is not None
         fields = torch.cat([nodes.tokens.unsqueeze(0), self._template.fields.expand(3, bs, size)])
-        scores = torch.tensor([nodes.scores], dtype=torch.float32, device=self.device)
-        return PackedCandidates(fields, scores.expand(bs, size))
+        return PackedCandidates(fields, self._template.scores.expand(bs, size))
 
     def expand_tokens(self, roots: torch.Tensor, rank_rates: Sequence[float]) -> RecycledNodes:
         """``expand`` with only the tokens on the device: the rest of each node is the same for
         every root, so a caller that packs other proposals on the host can add it there."""
-        t = self._device_template(rank_rates)
+        t = self._built_template(rank_rates)
         bs = roots.shape[0]
         (_, first_ranks), *deeper = t.levels
         # Every first-level node hangs off the root: one broadcast lookup, no parent gather.
@@ -353,7 +383,7 @@ class RecyclingTable:
             level = self._table[level.index_select(1, parent_pos), ranks]
             levels.append(level)
         template = t.template
-        return RecycledNodes(torch.cat(levels, dim=1), template.parents, template.ranks, template.scores(rank_rates))
+        return RecycledNodes(torch.cat(levels, dim=1), template.parents, template.ranks, template.scores)
 
     def propose(self, roots: torch.Tensor, rank_rates: Sequence[float], budget: int | torch.Tensor) -> Candidates:
         """The ``budget`` best recycled nodes below each root (``[bs]`` tokens), best first."""
@@ -361,19 +391,19 @@ class RecyclingTable:
         width = max(budget_list(budget, roots.shape[0]), default=0)
         return select_top(self.expand(roots.long(), rank_rates), budget, width)
 
-    def _device_template(self, rank_rates: Sequence[float]) -> _DeviceTemplate:
-        """The template for these rates, rebuilt only when a rate moved by more than ~3%.
-
-        The order of rank paths changes only when the rates move materially; the scores
-        themselves are always recomputed from the exact rates.
-        """
+    def _built_template(self, rank_rates: Sequence[float]) -> _BuiltTemplate:
+        """The template for these rates rounded (``rounded_rates``), rebuilt only when a
+        rounded rate changes."""
         if len(rank_rates) != self.k:
             raise ValueError(f"rank_rates must have k={self.k} entries, got {len(rank_rates)}")
-        key = tuple(round(math.log(max(r, 1e-6)) * 32) for r in rank_rates)
-        if self._template is None or self._template.key != key:
-            t = rank_template(rank_rates, self.max_nodes, self.max_depth)
-            self._template = _DeviceTemplate(t, key, self.device)
-        return self._template
+        built = self._template
+        if built is not None and all(lo < r < hi for lo, r, hi in zip(built.low, rank_rates, built.high)):
+            return built  # every rate is safely inside its current step: same key, no logs
+        key = _rate_steps(rank_rates)
+        if built is None or built.key != key:
+            t = rank_template(_rates_of_steps(key), self.max_nodes, self.max_depth)
+            self._template = built = _BuiltTemplate(t, key, self.device)
+        return built
 
     def _check_ids(self, what: str, ids: torch.Tensor) -> None:
         check_integer_ids(what, ids)

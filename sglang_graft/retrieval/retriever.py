@@ -473,12 +473,8 @@ class Retriever:
                     scores=[picks.scores[j] for j in nodes] + array("f", ctx.scores + hist.scores).tolist(),
                 )
             )
-        out = select_top_host(rows, budgets, width)
-        proposed = self._host_proposed
-        assert proposed is not None
-        for source, valid in zip(out.sources.view(-1).tolist(), out.valid.view(-1).tolist()):
-            proposed[source] += valid
-        return out
+        assert self._host_proposed is not None
+        return select_top_host(rows, budgets, width, self._host_proposed)
 
     def _observe_on_host(
         self,
@@ -495,13 +491,12 @@ class Retriever:
         flat_sources = [s for row in sources for s in row]
         bounds = [(min(flat_sources), max(flat_sources))]
         flat_tokens: list[int] = []
-        flat_ids = array("q")
+        flat_ids: list[int] = []
         if ids is not None:
             flat_tokens = [t for row in tokens for t in row]
             bounds.append((min(flat_tokens), max(flat_tokens)))
             if ids.numel():
-                flat_ids, ids_view = shared_array("q", ids.numel(), 0)
-                ids_view.copy_(ids.reshape(-1))
+                flat_ids = ids.reshape(-1).tolist()
                 bounds.append((min(flat_ids), max(flat_ids)))
         self._check_tree_bounds(bounds)
         self.calibration.observe_rows(tree_parents.tolist(), sources, tree_bins.tolist(), accepted)

@@ -88,14 +88,15 @@ class HostColumns(NamedTuple):
     scores: list[float]
 
 
-def select_top_host(rows: list[HostColumns], budgets: list[int], width: int) -> Candidates:
+def select_top_host(rows: list[HostColumns], budgets: list[int], width: int, counts: array) -> Candidates:
     """``select_top`` as host loops (CPU), for small batches where a dozen tensor ops cost
     more than sorting a few dozen floats: the same kept nodes, in the same columns.
 
     Concatenated sources already in order, ``sorted(reverse=True)`` (stable) reproduces the
     tensor sort's (score descending, column ascending) order. Padding columns are
     canonical (token and parent -1, source FILLER, bin 0, score 0); the tensor version
-    leaves whatever it gathered there, and both mark them ``valid`` False.
+    leaves whatever it gathered there, and both mark them ``valid`` False. Each kept node
+    also adds one to ``counts[source]`` (the proposal statistics), while it is on the host.
     """
     bs = len(rows)
     if width <= 0:
@@ -110,6 +111,7 @@ def select_top_host(rows: list[HostColumns], budgets: list[int], width: int) -> 
             parent = row.parents[i]
             parents.append(position[parent] if parent >= 0 else -1)
             sources.append(row.sources[i])
+            counts[row.sources[i]] += 1
             bins.append(row.bins[i])
             scores.append(row.scores[i])
         pad = width - len(order)
