@@ -53,16 +53,15 @@ class AcceptanceCalibrator:
         self.prior_strength = float(prior_strength)
         self.decay = float(decay)
         cells = num_groups * num_bins
-        # On the CPU the counts live in host arrays too, for ``observe_cells``.
-        self.host_counts: tuple[array, array] | None = None
+        # Both count vectors in one [2, cells] tensor, so decay is one op; on the CPU its
+        # memory is a host array too (proposed, then accepted), for ``observe_cells``.
+        self._host_counts: array | None = None
         if torch.device(device).type == "cpu":
-            (host_proposed, self.proposed), (host_accepted, self.accepted) = (
-                shared_array("d", cells, 0.0) for _ in range(2)
-            )
-            self.host_counts = (host_proposed, host_accepted)
+            self._host_counts, flat = shared_array("d", 2 * cells, 0.0)
+            self._counts: torch.Tensor | None = flat.view(2, cells)
         else:
-            self.proposed = torch.zeros(cells, dtype=torch.float64, device=device)
-            self.accepted = torch.zeros_like(self.proposed)
+            self._counts = torch.zeros(2, cells, dtype=torch.float64, device=device)
+        self.proposed, self.accepted = self._counts.unbind()
         # ``base + slope * prior`` per cell (see _affine_tables), float32, refreshed in place.
         self._base = torch.zeros(num_groups * num_bins, dtype=torch.float32, device=device)
         self._slope = torch.ones_like(self._base)
@@ -80,7 +79,7 @@ class AcceptanceCalibrator:
                 f"got {tuple(proposed.shape)} and {tuple(accepted.shape)}"
             )
         twin = copy.copy(self)
-        twin.proposed, twin.accepted, twin.host_counts = proposed, accepted, None
+        twin.proposed, twin.accepted, twin._counts, twin._host_counts = proposed, accepted, None, None
         (twin._base, twin._slope), twin._stale = self._tables_from(proposed, accepted), False
         return twin
 
@@ -136,10 +135,7 @@ class AcceptanceCalibrator:
         """Record one outcome per element: was the proposal accepted."""
         if accepted.numel() == 0:
             return
-        self._stale = True
-        if self.decay < 1.0:
-            self.proposed.mul_(self.decay)
-            self.accepted.mul_(self.decay)
+        self._decay_counts()
         cells = self._cells(groups, bins.long().clamp(0, self.num_bins - 1)).reshape(-1)
         self.proposed.scatter_add_(0, cells, torch.ones_like(cells, dtype=torch.float64))
         self.accepted.scatter_add_(0, cells, accepted.reshape(-1).to(torch.float64))
@@ -148,18 +144,34 @@ class AcceptanceCalibrator:
         """``observe`` for host loops on a CPU calibrator: one outcome (0 or 1) per cell index
         ``group * num_bins + bin`` (in range). The counts come out bit for bit as ``observe``
         leaves them."""
-        if self.host_counts is None:
+        counts = self._host_counts
+        if counts is None:
             raise RuntimeError("observe_cells needs a calibrator on the CPU; use observe")
         if not cells:
             return
+        self._decay_counts()
+        offset = len(counts) // 2
+        for c, a in zip(cells, accepted):
+            counts[c] += 1.0
+            counts[offset + c] += a
+
+    def count_lists(self, cells: int) -> tuple[list[float], list[float]]:
+        """The first ``cells`` proposed and accepted counts as lists (read from the host
+        array on the CPU: no tensor op)."""
+        if self._host_counts is None:
+            return self.proposed[:cells].tolist(), self.accepted[:cells].tolist()
+        offset = len(self._host_counts) // 2
+        return self._host_counts[:cells].tolist(), self._host_counts[offset : offset + cells].tolist()
+
+    def _decay_counts(self) -> None:
+        """Mark the estimate tables stale and apply one round of decay to the counts."""
         self._stale = True
         if self.decay < 1.0:
-            self.proposed.mul_(self.decay)
-            self.accepted.mul_(self.decay)
-        proposed, accepted_counts = self.host_counts
-        for c, a in zip(cells, accepted):
-            proposed[c] += 1.0
-            accepted_counts[c] += a
+            if self._counts is None:  # a ``with_counts`` twin reads two separate tensors
+                self.proposed.mul_(self.decay)
+                self.accepted.mul_(self.decay)
+            else:
+                self._counts.mul_(self.decay)
 
     def rates(self) -> torch.Tensor:
         """Observed acceptance rate per cell, ``[num_groups, num_bins]``, NaN where unseen."""

@@ -39,6 +39,8 @@ def test_observe_cells_equals_observe_bit_for_bit():
         by_cells.observe_cells([g * 5 + b for g, b in zip(groups, bins)], accepted)
     assert torch.equal(by_cells.proposed, by_tensor.proposed)
     assert torch.equal(by_cells.accepted, by_tensor.accepted)
+    assert by_cells.count_lists(7) == (by_tensor.proposed[:7].tolist(), by_tensor.accepted[:7].tolist())
+    assert 0 < by_cells.proposed.sum() < 30 * 11  # decayed, not merely accumulated
     prior = torch.full((3,), 0.5)
     assert torch.equal(by_cells.estimate(1, torch.tensor([0, 2, 4]), prior), by_tensor.estimate(1, torch.tensor([0, 2, 4]), prior))
 

@@ -487,7 +487,7 @@ class Retriever:
     ) -> None:
         """``observe``'s tensor path as host loops (CPU, small batches): the same updates."""
         tokens, sources = tree_tokens.tolist(), tree_sources.tolist()
-        accepted = accepted_mask.bool().tolist()
+        accepted = (accepted_mask if accepted_mask.dtype == torch.bool else accepted_mask.bool()).tolist()
         flat_sources = [s for row in sources for s in row]
         bounds = [(min(flat_sources), max(flat_sources))]
         flat_tokens: list[int] = []

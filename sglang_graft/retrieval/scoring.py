@@ -125,9 +125,7 @@ class RetrievalCalibration:
         rates = self._step[g]
         if rates is None:
             if self._counts is None:
-                cells = len(self._prior_list)
-                counts = self.calibrator.host_counts or (self.calibrator.proposed, self.calibrator.accepted)
-                self._counts = (counts[0][:cells].tolist(), counts[1][:cells].tolist())
+                self._counts = self.calibrator.count_lists(len(self._prior_list))
             proposed, accepted = self._counts
             s = self.calibrator.prior_strength
             cells = range(g * self._num_bins, g * self._num_bins + (self.rank_k if g == 0 else self._num_bins))
