@@ -128,6 +128,23 @@ def op_overhead_us(n: int = 20_000) -> float:
     return statistics.median(samples)
 
 
+def loop_step_ns(n: int = 200_000) -> float:
+    """Median cost of one trivial Python loop step here (an append): the yardstick for the
+    host-loop rounds that small CPU batches run (``host_loop_max_batch``)."""
+    samples = []
+    for _ in range(5):
+        out: list[int] = []
+        t0 = time.perf_counter_ns()
+        for i in range(n // 5):
+            out.append(i)
+        samples.append((time.perf_counter_ns() - t0) / (n // 5))
+    return statistics.median(samples)
+
+
+def yardsticks() -> str:
+    return f"one small torch op = {op_overhead_us():.1f} us, one Python loop step = {loop_step_ns():.0f} ns"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 32], help="batch sizes")
@@ -160,7 +177,7 @@ def main() -> None:
     print(
         f"retrieval benchmark: vocab={args.vocab} budget={args.budget} rounds={args.rounds} "
         f"device={args.device} torch_threads={torch.get_num_threads()}; "
-        f"one small torch op = {op_overhead_us():.1f} us"
+        f"{yardsticks()}; host loops up to bs={args.host_loop_max_batch}"
     )
     header = (
         f"{'bs':>3} {'context':>7} {'history':>9} | {'propose':>8} {'observe':>8} {'append':>7} {'total':>8}"
@@ -197,7 +214,7 @@ def main() -> None:
                 )
         if hist:
             print(f"    (history of {hist} tokens filled in {fill_s:.1f} s)")
-    print(f"one small torch op = {op_overhead_us():.1f} us (again, after the grid)")
+    print(f"{yardsticks()} (again, after the grid)")
 
 
 if __name__ == "__main__":
