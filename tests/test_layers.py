@@ -10,6 +10,7 @@ CORE = (
     "sglang_graft.candidates",
     "sglang_graft.tree",
     "sglang_graft.calibration",
+    "sglang_graft.host_arrays",
     "sglang_graft.prune",
     "sglang_graft.graft",
     "sglang_graft.verify",
