@@ -218,7 +218,7 @@ class Retriever:
         top = max(budgets, default=0)
         if top == 0:
             return Candidates.empty(bs, self.device)
-        if self._host_loops and bs <= self.config.host_loop_max_batch:
+        if self._on_host(bs):
             return self._propose_on_host(reqs, budgets, top)
         recycled = None
         if self.recycling is not None:
@@ -281,7 +281,7 @@ class Retriever:
             assert self.recycling is not None
             ids = self.recycling.target_ids(tree_tokens, target_topk, logits=target_logits)
             check_integer_ids("recycling tokens", tree_tokens)
-        if self._host_loops and bs <= self.config.host_loop_max_batch:
+        if self._on_host(bs):
             self._observe_on_host(tree_tokens, tree_parents, tree_sources, tree_bins, accepted_mask, ids)
             return
         checked = [tree_sources] if ids is None else [tree_sources, tree_tokens, ids]
@@ -349,6 +349,10 @@ class Retriever:
         if req is None:
             raise ValueError(f"unknown request {rid!r} (not started, or already finished or aborted)")
         return req
+
+    def _on_host(self, bs: int) -> bool:
+        """Whether a round of ``bs`` requests runs as host loops (CPU, small batches)."""
+        return self._host_loops and bs <= self.config.host_loop_max_batch
 
     @staticmethod
     def _check_distinct(rids: Sequence[Hashable]) -> None:
