@@ -8,6 +8,8 @@ Stage times use CUDA events on a GPU (host timers on a CPU). Optionally, when Fl
 is importable on a GPU, its tree attention over a grafted mask is compared with PyTorch's
 SDPA under the same mask. On a GPU it also captures the round's tensor work (prune, graft,
 child links) in a CUDA graph and compares the replay with the eager round, with both times.
+Last, retrieval (recycling table on the device, context and history on the host) runs a
+synthetic stream on the device and on the CPU, and every proposal must match.
 
 Runs where only torch is installed (no sglang, no transformers):
 
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 import platform
+import random
+from collections import defaultdict
 import sys
 import time
 from pathlib import Path
@@ -209,6 +212,71 @@ def graph_capture_check(case: dict, device: torch.device, reps: int) -> dict:
     return {"status": "equal" if equal else "mismatch", "eager_ms": med["eager"], "replay_ms": med["replay"]}
 
 
+def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -> list[dict]:
+    """Retrieval on ``device`` against the CPU reference, round for round.
+
+    Both retrievers get the same synthetic stream (``bench_retrieval``'s documents and
+    verify rounds, Qwen3's vocabulary): the CPU one as the reference engine runs it (host
+    loops up to bs=8, tensor ops above), the device one with tensor ops only (on the CPU
+    itself too, so this also checks the two CPU paths against each other). Every proposal
+    must match (padding columns aside); the device's propose and observe are timed.
+    """
+    from bench_retrieval import document, verify_round  # scripts/ is this script's directory
+
+    from sglang_graft.retrieval import Retriever, RetrieverConfig
+
+    vocab, context, budget = 151_936, 4096, 16
+    results = []
+    for bs in batch_sizes:
+        rng = random.Random(bs)
+        pool = [document(rng, 2048, vocab, []) for _ in range(4)]
+        docs = [document(rng, context + rounds * (budget + 2) + 64, vocab, pool) for _ in range(bs)]
+        rids = [f"check-{i}" for i in range(bs)]
+        retrievers = [
+            Retriever(RetrieverConfig(vocab_size=vocab)),
+            Retriever(RetrieverConfig(vocab_size=vocab, device=str(device), host_loop_max_batch=0)),
+        ]
+        for r in retrievers:
+            for doc in pool:
+                r.history.insert(None, doc)
+            for rid, doc in zip(rids, docs):
+                r.start_request(rid, doc[:context])
+        timer = Timer(device)
+        gen = torch.Generator().manual_seed(bs)
+        pos, differing = [context] * bs, 0
+        for _ in range(rounds):
+            ref = retrievers[0].propose(rids, budget)
+            got = _to(timer.run("propose", lambda: retrievers[1].propose(rids, budget)), torch.device("cpu"))
+            same = torch.equal(got.valid, ref.valid) and all(
+                torch.equal(torch.where(ref.valid, getattr(got, f), 0), torch.where(ref.valid, getattr(ref, f), 0))
+                for f in ("tokens", "parents", "scores", "sources", "bins")
+            )
+            differing += not same
+            roots = torch.tensor([d[p - 1] for d, p in zip(docs, pos)])
+            truth = torch.tensor([d[p : p + budget + 1] for d, p in zip(docs, pos)])
+            tokens, parents, sources, bins, accepted, acc_len = verify_round(ref, roots, truth)
+            topk = torch.randint(0, vocab, (bs, tokens.shape[1], 8), generator=gen)
+            tree = (tokens, parents, sources, accepted, topk)
+            retrievers[0].observe(rids, *tree, tree_bins=bins)
+            timer.run("observe", lambda: retrievers[1].observe(rids, *_to(list(tree), device), tree_bins=bins.to(device)))
+            emitted = [d[p : p + n + 1] for d, p, n in zip(docs, pos, acc_len.tolist())]
+            for r in retrievers:
+                for rid, toks in zip(rids, emitted):
+                    r.append(rid, toks)
+            pos = [p + len(t) for p, t in zip(pos, emitted)]
+        med = {stage: sorted(v)[len(v) // 2] for stage, v in timer.ms.items()}
+        results.append(
+            {
+                "bs": bs,
+                "rounds": rounds,
+                "differing_rounds": differing,
+                "us_per_request_round": {k: round(v * 1e3 / bs, 1) for k, v in med.items()},
+                "stats_equal": retrievers[0].stats() == retrievers[1].stats(),
+            }
+        )
+    return results
+
+
 def compare(cpu: dict[str, torch.Tensor], dev: dict[str, torch.Tensor]) -> list[str]:
     """Names of outputs that differ (bit for bit) between the CPU and the device."""
     return [k for k in cpu if cpu[k].shape != dev[k].shape or not torch.equal(cpu[k], dev[k])]
@@ -294,6 +362,10 @@ def main() -> int:
                 print(f"{'':>10}prune+graft+links in a CUDA graph: {config['cuda_graph']}")
                 failed |= config["cuda_graph"]["status"] == "mismatch"
             info["configs"].append(config)
+    info["retrieval"] = retrieval_check(device, [1, 32], rounds=max(reps, 10))
+    for row in info["retrieval"]:
+        print(f"retrieval on {device.type} vs the CPU reference: {row}")
+        failed |= row["differing_rounds"] > 0 or not row["stats_equal"]
     info["flashinfer"] = flashinfer_check(device)
     print(f"flashinfer tree attention vs SDPA: {info['flashinfer']}")
     failed |= info["flashinfer"]["status"] == "mismatch"

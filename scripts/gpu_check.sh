@@ -6,6 +6,8 @@
 # timed with CUDA events, and requires every result to equal the CPU's. When FlashInfer
 # is importable (or a wheel is given in FLASHINFER_WHEEL and installs offline), its tree
 # attention over a grafted mask is compared with SDPA; otherwise that part is skipped.
+# Retrieval (recycling table on the GPU) runs a synthetic stream at bs 1 and 32 and must
+# propose exactly what the CPU reference proposes, round for round.
 # Without a GPU it runs the same checks on the CPU (device auto-detect).
 #
 #   bash scripts/gpu_check.sh                # results in $OUT (or ./gpu_check_out)

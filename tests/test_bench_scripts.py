@@ -1,8 +1,9 @@
-"""Smoke runs of the overhead benchmarks (tiny grids): they keep running as the code moves.
-They assert what the scripts print, never a timing."""
+"""Smoke runs of the overhead benchmarks and the GPU check (tiny grids, on the CPU): they
+keep running as the code moves. They assert what the scripts print, never a timing."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -34,3 +35,14 @@ def test_bench_core_prints_the_round_columns():
     out = _run("bench_core.py", "--batch-sizes", "1", "--budgets", "8", "--reps", "1", "--warmup", "0", "--threads", "1")
     assert "gates..pack" in out.splitlines()[-2]
     assert re.match(r"^\s*1\s+8(\s+\d+){5}\s+[\d.]+$", out.splitlines()[-1])
+
+
+def test_gpu_check_runs_on_the_cpu_and_compares_retrieval_paths(tmp_path):
+    out = _run(
+        "gpu_check.py", "--device", "cpu", "--batch-sizes", "1", "--budgets", "16", "--reps", "1",
+        "--out", str(tmp_path / "check.json"),
+    )
+    assert out.strip().endswith("gpu_check: passed")
+    retrieval = json.loads((tmp_path / "check.json").read_text())["retrieval"]
+    assert [row["bs"] for row in retrieval] == [1, 32]
+    assert all(row["differing_rounds"] == 0 and row["stats_equal"] for row in retrieval)
