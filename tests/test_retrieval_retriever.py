@@ -181,8 +181,9 @@ def test_bad_token_ids_and_empty_context():
     assert r.stats()["requests"] == 1
 
 
-def test_observe_rejects_malformed_trees():
-    r = _retriever()
+@pytest.mark.parametrize("host_loop_max_batch", [0, 8], ids=["tensor-ops", "host-loops"])
+def test_observe_rejects_malformed_trees(host_loop_max_batch):
+    r = _retriever(host_loop_max_batch=host_loop_max_batch)
     r.start_request("a", [1, 2])
     r.start_request("c", [1, 2])
     t = torch.tensor([[2, 5]])
@@ -196,6 +197,22 @@ def test_observe_rejects_malformed_trees():
         r.observe(["a"], t, torch.tensor([[-1, 0]]), torch.tensor([[0, 9]]), torch.tensor([[True, False]]), **ok)
     with pytest.raises(ValueError, match="unknown request 'b'"):
         r.observe(["b"], t, torch.tensor([[-1, 0]]), src, torch.tensor([[True, False]]), **ok)
+    # Bad ids for the recycling table are refused before anything is written.
+    parents, accepted = torch.tensor([[-1, 0]]), torch.tensor([[True, False]])
+    topk = torch.tensor([[[3, 4], [5, 6]]])
+    before = (r.stats(), r.recycling.successors(torch.arange(VOCAB)), r.calibration.calibrator.counts())
+    with pytest.raises(ValueError, match=f"recycling topk_ids holds token id {VOCAB}"):
+        r.observe(["a"], t, parents, src, accepted, torch.tensor([[[3, VOCAB], [5, 6]]]), **ok)
+    with pytest.raises(ValueError, match="recycling tokens holds negative token id -4"):
+        r.observe(["a"], torch.tensor([[2, -4]]), parents, src, accepted, topk, **ok)
+    with pytest.raises(ValueError, match="recycling topk_ids must hold integer"):
+        r.observe(["a"], t, parents, src, accepted, topk.float(), **ok)
+    with pytest.raises(ValueError, match="recycling tokens must hold integer"):
+        r.observe(["a"], t.float(), parents, src, accepted, topk, **ok)
+    after = (r.stats(), r.recycling.successors(torch.arange(VOCAB)), r.calibration.calibrator.counts())
+    assert before[0] == after[0] and torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+    r.observe(["a"], t, parents, src, accepted, topk, **ok)  # and a good tree is taken
+    assert r.recycling.successors(torch.tensor([2, 5])).tolist()[0][:2] == [3, 4]
 
 
 def test_sources_can_be_disabled_individually():
