@@ -58,6 +58,8 @@ _INDUCTOR_SETTINGS: dict[str, dict[str, object]] = {"cpu": {"cpp.simdlen": 1, "r
 #: Packages kept in the cache directory (about 2 MB each), least recently used evicted.
 MAX_PACKAGES = 64
 _CANDIDATE_FIELDS = tuple(f.name for f in fields(Candidates))
+#: A loaded package: runs the flat input list, returns the flat outputs.
+Runner = Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]
 _TREE_FIELDS = ("tokens", "parents", "depths", "scores", "sources", "bins", "ancestors")
 
 
@@ -206,10 +208,11 @@ def _tidy(cache_dir: Path, keep: Path) -> None:
     for tmp in cache_dir.glob("tmp*.pt2"):
         if now - tmp.stat().st_mtime > 3600:
             tmp.unlink(missing_ok=True)
-    packages = sorted(cache_dir.glob("round-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    built = (p for p in cache_dir.glob("*.pt2") if not p.name.startswith("tmp"))
+    packages = sorted(built, key=lambda p: p.stat().st_mtime, reverse=True)
     for old in packages[MAX_PACKAGES:]:
         if old != keep:
-            log.info("evicting the least recently used compiled round %s", old.name)
+            log.info("evicting the least recently used compiled package %s", old.name)
             old.unlink(missing_ok=True)
 
 
@@ -227,7 +230,7 @@ class CompiledRound:
         self.pruner = pruner
         self.num_nodes = num_nodes
         self.cache_dir = cache_dir or default_cache_dir()
-        self._runners: dict[tuple, Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]] = {}
+        self._runners: dict[tuple, Runner] = {}
 
     def __call__(
         self,
@@ -290,54 +293,62 @@ class CompiledRound:
         gates = repr(None if self.pruner is None else self.pruner.config)
         return hashlib.sha256(f"{_source_digest()}|{sig}|{gates}".encode()).hexdigest()[:24]
 
-    def _load(
-        self, sig: RoundSignature, flat: tuple[torch.Tensor, ...]
-    ) -> Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]:
-        """Load or build the package for ``sig``, and check it against the eager round."""
-        module = _RoundModule(self.pruner, sig)
-        # Eager first: besides the reference, this fills the index-tensor caches
-        # (``arange_cached`` and friends) with real tensors; tracing must not leave fake ones.
-        with torch.inference_mode():
-            expected = module(*flat)
+    def _load(self, sig: RoundSignature, flat: tuple[torch.Tensor, ...]) -> Runner:
         path = self.cache_dir / f"round-{self._key(sig)}.pt2"
-        if not path.exists():
-            log.info("compiling the Graft round for %s (once per shape, ~20-40 s on 2 cores)", sig.describe())
-            start = time.perf_counter()
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            exported = torch.export.export(module, flat, strict=False)
-            fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=self.cache_dir)
-            os.close(fd)
-            try:
-                with torch._inductor.config.patch(_INDUCTOR_SETTINGS.get(sig.device, {})):
-                    torch._inductor.aoti_compile_and_package(exported, package_path=tmp)
-                os.replace(tmp, path)  # atomic: concurrent ranks may build the same package
-            except Exception as exc:
-                Path(tmp).unlink(missing_ok=True)
-                raise CompileError(
-                    f"compiling the Graft round failed ({type(exc).__name__}: {exc}); AOTInductor needs a "
-                    "C++ compiler on CPU (apt-get install g++) and Triton on CUDA. "
-                    "Run without --compile-core to use the eager round."
-                ) from exc
-            log.info("compiled in %.0f s: %s", time.perf_counter() - start, path)
-            _tidy(self.cache_dir, keep=path)
-        else:
-            os.utime(path)  # recently used: the last to be evicted
-        package_log = logging.getLogger("torch.export.pt2_archive._package")
-        quiet = _HideIsaNote()
-        package_log.addFilter(quiet)
+        return load_package(_RoundModule(self.pruner, sig), flat, path, f"the Graft round for {sig.describe()}")
+
+
+def load_package(module: torch.nn.Module, flat: tuple[torch.Tensor, ...], path: Path, what: str) -> Runner:
+    """Load the AOTInductor package at ``path`` (building it from ``module`` traced on
+    ``flat`` if it is missing), and check that it reproduces ``module`` on ``flat``.
+
+    Returns a runner taking the flat input list. ``what`` names the module in logs and
+    errors. Builds are atomic (concurrent ranks may build the same package), and the
+    cache directory stays bounded (``MAX_PACKAGES``).
+    """
+    # Eager first: besides the reference, this fills the index-tensor caches
+    # (``arange_cached`` and friends) with real tensors; tracing must not leave fake ones.
+    with torch.inference_mode():
+        expected = module(*flat)
+    device = flat[0].device.type
+    if not path.exists():
+        log.info("compiling %s (once per shape, ~20-40 s on 2 cores)", what)
+        start = time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        exported = torch.export.export(module, flat, strict=False)
+        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+        os.close(fd)
         try:
-            package = torch._inductor.aoti_load_package(str(path))
-        finally:
-            package_log.removeFilter(quiet)
-        # The package's __call__ re-parses its pytree specs every call (tens of us); the
-        # loader runs a flat tensor list directly, and the inputs here are flat already.
-        loader = getattr(package, "loader", None)
-        runner = loader.boxed_run if loader is not None else (lambda xs: package(*xs))
-        with torch.inference_mode():
-            got = runner(list(flat))
-        if len(expected) != len(got) or not all(torch.equal(a, b) for a, b in zip(expected, got)):
+            with torch._inductor.config.patch(_INDUCTOR_SETTINGS.get(device, {})):
+                torch._inductor.aoti_compile_and_package(exported, package_path=tmp)
+            os.replace(tmp, path)  # atomic: concurrent ranks may build the same package
+        except Exception as exc:
+            Path(tmp).unlink(missing_ok=True)
             raise CompileError(
-                f"the compiled Graft round {path} disagrees with the eager round on its first inputs; "
-                "delete the package to rebuild it, or run without --compile-core"
-            )
-        return runner
+                f"compiling {what} failed ({type(exc).__name__}: {exc}); AOTInductor needs a "
+                "C++ compiler on CPU (apt-get install g++) and Triton on CUDA. "
+                "Run without --compile-core to use the eager round."
+            ) from exc
+        log.info("compiled in %.0f s: %s", time.perf_counter() - start, path)
+        _tidy(path.parent, keep=path)
+    else:
+        os.utime(path)  # recently used: the last to be evicted
+    package_log = logging.getLogger("torch.export.pt2_archive._package")
+    quiet = _HideIsaNote()
+    package_log.addFilter(quiet)
+    try:
+        package = torch._inductor.aoti_load_package(str(path))
+    finally:
+        package_log.removeFilter(quiet)
+    # The package's __call__ re-parses its pytree specs every call (tens of us); the
+    # loader runs a flat tensor list directly, and the inputs here are flat already.
+    loader = getattr(package, "loader", None)
+    runner: Runner = loader.boxed_run if loader is not None else (lambda xs: package(*xs))
+    with torch.inference_mode():
+        got = runner(list(flat))
+    if len(expected) != len(got) or not all(torch.equal(a, b) for a, b in zip(expected, got)):
+        raise CompileError(
+            f"the compiled package {path} ({what}) disagrees with the eager round on its first inputs; "
+            "delete the package to rebuild it, or run without --compile-core"
+        )
+    return runner
