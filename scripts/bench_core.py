@@ -5,7 +5,7 @@ chain per request, at the given batch sizes and verify budgets. Columns: ``eagle
 per-step outputs turned into one candidate set, what the SGLang worker does before the
 round), ``gates`` (the five per-level confidence gates), ``prune+graft``
 (eager ``prune_and_graft``, or with ``--compiled`` the AOTInductor package of the same
-code, ``sglang_graft.compiled``), ``pack`` (the verify layout, full mask). Prints a table
+code, ``sglang_graft.compiled``, which also compiles the gates' estimate), ``pack`` (the verify layout, full mask). Prints a table
 (median of --reps rounds after --warmup); no assertions: numbers for notes. With
 ``--compiled`` each new shape is compiled once (about half a minute on 2 cores) and cached.
 
@@ -22,9 +22,8 @@ import time
 import torch
 
 from sglang_graft.candidates import Candidates, Source
-from sglang_graft.compiled import CompiledRound
-from sglang_graft.prune import ConfidencePruner, GateConfig
-from sglang_graft.scheduler import prune_and_graft
+from sglang_graft.prune import GateConfig
+from sglang_graft.scheduler import GraftScheduler, SchedulerConfig, prune_and_graft
 from sglang_graft.tree import eagle_candidates, pack
 
 
@@ -85,7 +84,6 @@ def main() -> None:
     dev = args.device
     sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
     topk, steps, vocab = 4, 5, 32000
-    pruner = ConfidencePruner(GateConfig(min_node_score=0.02), device=dev)
     mode = "compiled (AOTInductor)" if args.compiled else "eager"
     print(
         f"device={dev} threads={torch.get_num_threads()} topk={topk} steps={steps} {mode} (median us per round; "
@@ -98,7 +96,9 @@ def main() -> None:
             s, t, p, chain = synthetic_round(bs, n, topk, steps, vocab, dev, gen)
             seq_lens = torch.full((bs,), 512, device=dev)
             roots = torch.zeros(bs, dtype=torch.long, device=dev)
-            compiled = CompiledRound(pruner, n) if args.compiled else None
+            # The gates and the round as an engine runs them (the ``pruned`` policy's scheduler).
+            config = SchedulerConfig("pruned", n, GateConfig(min_node_score=0.02), compile_core=args.compiled)
+            scheduler = GraftScheduler(config, device=dev)
             times = {"eagle": [], "gates": [], "prune+graft": [], "pack": []}
             with torch.inference_mode():
                 for r in range(args.warmup + args.reps):
@@ -107,13 +107,13 @@ def main() -> None:
                     drafts = eagle_candidates(s, t, p, topk)
                     sync()
                     t05 = time.perf_counter()
-                    cont = [pruner.step_continues(d + 1, s[d]) for d in range(steps)]
+                    cont = [scheduler.draft_continues(d + 1, s[d]) for d in range(steps)]
                     sync()
                     t1 = time.perf_counter()
-                    if compiled is None:
-                        tree = prune_and_graft(pruner, roots, drafts, cont, chain, n).tree
+                    if scheduler.compiled is None:
+                        tree = prune_and_graft(scheduler.pruner, roots, drafts, cont, chain, n).tree
                     else:
-                        tree = compiled(roots, drafts, torch.stack(cont, dim=1), chain).tree
+                        tree = scheduler.compiled(roots, drafts, torch.stack(cont, dim=1), chain).tree
                     sync()
                     t2 = time.perf_counter()
                     pack(tree, seq_lens, "full", seq_lens_sum=512 * bs)

@@ -5,7 +5,9 @@ pruning, grafting and child links is a few hundred ops on tensors of a few dozen
 so on a CPU nearly all of its time is dispatch. AOTInductor traces the very functions the
 eager path runs (``prune_and_graft``, then ``child_links``) for one static shape and
 compiles them into a shared library that runs the round in one call, about ten times
-faster at batch size 1 (``scripts/bench_core.py --compiled``).
+faster at batch size 1 (``scripts/bench_core.py --compiled``). The online gates'
+estimate after each draft level (``CompiledGate``) is compiled the same way: about ten
+ops between two draft forwards, in one call.
 
 Each package is cached on disk, keyed by the shapes, the gate settings, the torch
 version and the source of every module it traces, so a configuration is compiled once
@@ -21,9 +23,9 @@ The calibration counts are inputs, not constants, so estimates follow every ``ob
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
@@ -196,7 +198,7 @@ def _flat_inputs(
 def _source_digest() -> str:
     h = hashlib.sha256(torch.__version__.encode())
     for name in _TRACED_MODULES:
-        h.update(Path(sys.modules[name].__file__ or "").read_bytes())
+        h.update(Path(importlib.import_module(name).__file__ or "").read_bytes())
     return h.hexdigest()
 
 
@@ -296,6 +298,64 @@ class CompiledRound:
     def _load(self, sig: RoundSignature, flat: tuple[torch.Tensor, ...]) -> Runner:
         path = self.cache_dir / f"round-{self._key(sig)}.pt2"
         return load_package(_RoundModule(self.pruner, sig), flat, path, f"the Graft round for {sig.describe()}")
+
+
+class _GateModule(torch.nn.Module):
+    """The pruner's calibrated confidence at one depth, over flat tensor inputs."""
+
+    def __init__(self, pruner: ConfidencePruner) -> None:
+        super().__init__()
+        self.pruner = pruner
+
+    def forward(
+        self, confidence: torch.Tensor, depth: torch.Tensor, proposed: torch.Tensor, accepted: torch.Tensor
+    ) -> tuple[torch.Tensor]:
+        return (self.pruner.with_counts(proposed, accepted).calibrated(depth, confidence),)
+
+
+class CompiledGate:
+    """``ConfidencePruner.level_confidence``, compiled once per batch bucket.
+
+    After every draft level the online gates turn each request's best path score into a
+    calibrated estimate: about ten tensor ops, between two draft forwards, which on the
+    CPU cost far more than the arithmetic. The package does them in one call; the depth
+    and the calibration counts are inputs, so one package serves every depth and follows
+    every ``observe``. Only the online mode has anything to compile (the fixed mode's
+    confidence is the raw score).
+    """
+
+    def __init__(self, pruner: ConfidencePruner, cache_dir: Path | None = None) -> None:
+        if pruner.config.mode != "online":
+            raise ValueError(f"only online gates are compiled, got mode {pruner.config.mode!r}")
+        self.pruner = pruner
+        self.cache_dir = cache_dir or default_cache_dir()
+        self._runners: dict[tuple, Runner] = {}
+        self._depths: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def level_confidence(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
+        """The same ``[bs]`` float32 as ``pruner.level_confidence(depth, step_scores)``."""
+        bs = step_scores.shape[0]
+        confidence = step_scores.reshape(bs, -1).amax(dim=1)
+        if confidence.dtype != torch.float32:
+            confidence = confidence.float()
+        rows = _bucket(bs, least=1)
+        if rows != bs:
+            confidence = F.pad(confidence, (0, rows - bs))
+        device = confidence.device
+        depth_t = self._depths.get((depth, device))
+        if depth_t is None:
+            depth_t = self._depths[(depth, device)] = torch.tensor(depth, device=device)
+        cal = self.pruner.calibrator
+        flat = [confidence, depth_t, cal.proposed, cal.accepted]
+        key = (rows, device.type)
+        runner = self._runners.get(key)
+        if runner is None:
+            config = f"{_source_digest()}|{rows}|{device.type}|{self.pruner.config!r}"
+            path = self.cache_dir / f"gate-{hashlib.sha256(config.encode()).hexdigest()[:24]}.pt2"
+            what = f"the draft gate for bs={rows} on {device.type}"
+            runner = self._runners[key] = load_package(_GateModule(self.pruner), tuple(flat), path, what)
+        q = runner(flat)[0]
+        return q if rows == bs else q[:bs]
 
 
 def load_package(module: torch.nn.Module, flat: tuple[torch.Tensor, ...], path: Path, what: str) -> Runner:

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 import torch
 
 from sglang_graft.candidates import Candidates
-from sglang_graft.compiled import CompiledRound
+from sglang_graft.compiled import CompiledGate, CompiledRound
 from sglang_graft.cost import DepthBudget, DraftOrRetrieve, check_cost_ratio
 from sglang_graft.graft import GraftResult, graft
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
@@ -67,8 +67,9 @@ class SchedulerConfig:
             policies also stop drafting once another level is not expected to raise tokens
             per second (``sglang_graft.cost``); None leaves the depth to the gates alone.
         draft_depth: the drafter's deepest level (the cost look-ahead's horizon).
-        compile_core: build each round's tree with ``sglang_graft.compiled`` (the same
-            code, compiled once per shape by AOTInductor) instead of eager PyTorch.
+        compile_core: build each round's tree, and the online gates' estimate after each
+            draft level, with ``sglang_graft.compiled`` (the same code, compiled once per
+            shape by AOTInductor) instead of eager PyTorch.
     """
 
     policy: str = "graft"
@@ -119,8 +120,12 @@ class GraftScheduler:
         # Skipping the draft altogether needs retrieval to fill the tree instead: graft only.
         self.draft_gate = DraftOrRetrieve(config.draft_cost_ratio) if costed and config.uses_retrieval else None
         self.compiled: CompiledRound | None = None
+        # Whatever computes the gates' calibrated confidence: the pruner, or its compiled twin.
+        self._confidence: ConfidencePruner | CompiledGate = self.pruner
         if config.compile_core:
             self.compiled = CompiledRound(self.pruner if config.uses_gates else None, config.num_nodes)
+            if config.uses_gates and config.gates.mode == "online":
+                self._confidence = CompiledGate(self.pruner)
 
     def draft_continues(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
         """After drafting level ``depth``: which requests may draft deeper (``[bs]`` bool).
@@ -131,12 +136,14 @@ class GraftScheduler:
         no entry is True.
         """
         bs = step_scores.shape[0]
-        if not self.config.uses_gates:
+        gated = self.config.uses_gates and (
+            self.depth_budget is not None or self.pruner.config.threshold_at(depth) is not None
+        )
+        if not gated:
             return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
-        if self.depth_budget is None:
-            return self.pruner.step_continues(depth, step_scores)
-        q = self.pruner.level_confidence(depth, step_scores)  # one estimate for both tests
-        return self.pruner.passes(depth, q) & self.depth_budget.continues(depth, q).to(q.device)
+        q = self._confidence.level_confidence(depth, step_scores)  # one estimate for both tests
+        go_on = self.pruner.passes(depth, q)
+        return go_on if self.depth_budget is None else go_on & self.depth_budget.continues(depth, q).to(q.device)
 
     def retrieve(self, rids: Sequence[str]) -> Candidates | None:
         """This round's retrieved candidates (None for policies without retrieval)."""

@@ -1,5 +1,6 @@
-"""The AOTInductor-compiled round equals the eager round, follows live calibration, is
-cached, refuses a package that disagrees, and keeps the reference engine lossless.
+"""The AOTInductor-compiled round (and draft gate) equals the eager one, follows live
+calibration, is cached, refuses a package that disagrees, and keeps the reference engine
+lossless.
 
 Compiling takes 15-40 s per shape on a small CPU, so the tests share one cache directory
 and few shapes.
@@ -15,10 +16,10 @@ import torch
 from helpers import simulate_eagle_draft
 from sglang_graft import compiled as compiled_mod
 from sglang_graft.candidates import Candidates, Source
-from sglang_graft.compiled import CompiledRound, CompileError, pad_candidates
+from sglang_graft.compiled import CompiledGate, CompiledRound, CompileError, pad_candidates
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.prune import ConfidencePruner, GateConfig
-from sglang_graft.scheduler import prune_and_graft
+from sglang_graft.scheduler import GraftScheduler, SchedulerConfig, prune_and_graft
 from sglang_graft.tree import child_links, eagle_candidates
 
 TOPK, STEPS, N, BS = 2, 3, 8, 2
@@ -127,6 +128,35 @@ def test_compiled_round_equals_eager_and_reads_live_calibration(warm_cache):
             inputs = eagle_round(seed)
             assert_same(round_(inputs[3], inputs[0], inputs[1], inputs[2]), eager(pruner, *inputs))
     assert not torch.equal(before.tree.scores, after.tree.scores)
+
+
+@needs_compiler
+def test_compiled_gate_equals_the_eager_gate_and_follows_calibration(cache_dir, monkeypatch):
+    """Three requests (a padded bucket of four), every depth, before and after observes;
+    and a scheduler's gates with ``compile_core`` against one without."""
+    pruner = ConfidencePruner(GATES)
+    gate = CompiledGate(pruner, cache_dir)
+    gen = torch.Generator().manual_seed(5)
+    level = [torch.rand(3, 1, TOPK, generator=gen)] + [torch.rand(3, TOPK, TOPK, generator=gen) for _ in range(4)]
+    with torch.inference_mode():
+        before = [gate.level_confidence(d, s) for d, s in enumerate(level, start=1)]
+        for d, (got, s) in enumerate(zip(before, level), start=1):
+            assert torch.equal(got, pruner.level_confidence(d, s)), d
+        depths = torch.arange(1, 6).repeat_interleave(GATES.num_bins)  # every (depth, bin) cell
+        bins = torch.arange(GATES.num_bins).repeat(5)
+        pruner.calibrator.observe(depths, bins, bins % 3 == 0)
+        for d, s in enumerate(level, start=1):
+            assert torch.equal(gate.level_confidence(d, s), pruner.level_confidence(d, s)), d
+        assert not torch.equal(gate.level_confidence(2, level[1]), before[1]), "the counts moved"
+        monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(cache_dir.parent))
+        for ratio in (None, 0.3):
+            config = SchedulerConfig("pruned", N, GATES, draft_cost_ratio=ratio, draft_depth=5)
+            fast = GraftScheduler(SchedulerConfig(**{**config.__dict__, "compile_core": True}))
+            plain = GraftScheduler(config)
+            for d, s in enumerate(level, start=1):
+                assert torch.equal(fast.draft_continues(d, s), plain.draft_continues(d, s)), (ratio, d)
+    with pytest.raises(ValueError, match="only online gates are compiled"):
+        CompiledGate(ConfidencePruner(GateConfig(mode="fixed")), cache_dir)
 
 
 @needs_compiler
