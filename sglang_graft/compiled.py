@@ -54,9 +54,12 @@ _TRACED_MODULES = (
 )
 #: Inductor settings per device type. On CPU the round's tensors hold a few dozen
 #: elements: scalar loops beat vector code with masked tails and emulated gathers (about
-#: 1.5x on a 2-core Xeon), and realizing small intermediates keeps the pointer-doubling
-#: chains from being inlined into a few thousand lines of generated code.
-_INDUCTOR_SETTINGS: dict[str, dict[str, object]] = {"cpu": {"cpp.simdlen": 1, "realize_opcount_threshold": 8}}
+#: 1.5x on a 2-core Xeon), realizing small intermediates keeps the pointer-doubling
+#: chains from being inlined into a few thousand lines of generated code, and one planned
+#: buffer instead of ~40 allocations per call saves about 8%.
+_INDUCTOR_SETTINGS: dict[str, dict[str, object]] = {
+    "cpu": {"cpp.simdlen": 1, "realize_opcount_threshold": 8, "memory_planning": True}
+}
 #: Packages kept in the cache directory (about 2 MB each), least recently used evicted.
 MAX_PACKAGES = 64
 _CANDIDATE_FIELDS = tuple(f.name for f in fields(Candidates))
