@@ -231,15 +231,24 @@ def pack(
 
 def _full_mask_index(seq_lens: torch.Tensor, n: int) -> torch.Tensor:
     """``[bs * n * n]`` flat positions of the tree columns in the ``full`` mask: request ``b``
-    starts after the earlier requests' ``n`` rows of ``seq_len + n`` columns, and its row ``r``
-    holds the tree part right after its ``seq_len`` prefix columns."""
+    starts at ``start_b``, after the earlier requests' ``n`` rows of ``seq_len + n`` columns,
+    and the tree part of its row ``r`` right after that row's ``seq_len`` prefix columns:
+    ``start_b + r * (seq_len_b + n) + seq_len_b + c = start_b + (r + 1) * seq_len_b + (r * n + c)``.
+    """
     bs = seq_lens.shape[0]
-    cols = arange_cached(n, seq_lens.device)
-    row_len = seq_lens + n
-    block = row_len * n
-    tree_start = torch.cumsum(block, dim=0) - block + seq_lens  # [bs]
-    first = (tree_start.view(bs, 1, 1) + cols.view(1, 1, n))  # [bs, 1, n]
-    return torch.addcmul(first, cols.view(1, n, 1), row_len.view(bs, 1, 1)).reshape(-1)
+    within, rows_after = _mask_index_terms(n, seq_lens.device)
+    index = torch.addcmul(within, rows_after, seq_lens.view(bs, 1))  # [bs, n * n], as if start_b = 0
+    if bs > 1:  # the first request starts at 0
+        block = (seq_lens + n) * n
+        index += (torch.cumsum(block, dim=0) - block).view(bs, 1)
+    return index.reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_index_terms(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(r * n + c, r + 1)`` for every tree cell ``(r, c)`` of an ``n x n`` block, flat."""
+    cells = torch.arange(n * n, device=device)
+    return cells, torch.div(cells, n, rounding_mode="floor") + 1
 
 
 def tree_from_selection(
