@@ -490,14 +490,14 @@ class Retriever:
         ids: torch.Tensor | None,
     ) -> None:
         """``observe``'s tensor path as host loops (CPU, small batches): the same updates."""
-        tokens, sources = tree_tokens.tolist(), tree_sources.tolist()
+        sources = tree_sources.tolist()
         accepted = (accepted_mask if accepted_mask.dtype == torch.bool else accepted_mask.bool()).tolist()
         flat_sources = [s for row in sources for s in row]
         bounds = [(min(flat_sources), max(flat_sources))]
         flat_tokens: list[int] = []
         flat_ids: list[int] = []
-        if ids is not None:
-            flat_tokens = [t for row in tokens for t in row]
+        if ids is not None:  # the tokens only matter to the recycling table
+            flat_tokens = [t for row in tree_tokens.tolist() for t in row]
             bounds.append((min(flat_tokens), max(flat_tokens)))
             if ids.numel():
                 flat_ids = ids.reshape(-1).tolist()
