@@ -139,17 +139,18 @@ def graft(root_tokens: torch.Tensor, proposals: list[Candidates], num_nodes: int
     if m == 0:  # every source dry: the whole tree is filler
         fillers = torch.ones(bs, num_nodes - 1, dtype=torch.int64, device=root_tokens.device)  # column m + 1
         zero = torch.zeros(bs, dtype=torch.int64, device=root_tokens.device)
-        return GraftResult(_assemble_tree(root_tokens, cands, fillers, zero, cands.parents, cands.scores), zero)
+        none = torch.full((bs, 1), -1, dtype=torch.int64, device=root_tokens.device)  # only the root reads it
+        return GraftResult(_assemble_tree(root_tokens, cands, fillers, zero, none, cands.parents, cands.scores), zero)
     facts = path_facts(cands)
     canonical, merged_score = _merge_duplicates(facts)
     is_canonical = facts.valid & (canonical == arange_cached(m, root_tokens.device))
     num_merged = (facts.valid ^ is_canonical).sum(dim=1)
-    chosen, num_real = _select_best(merged_score, facts.depth, is_canonical, num_nodes - 1)
+    chosen, num_real, rank = _select_best(merged_score, facts.depth, is_canonical, num_nodes - 1)
     # Tree parent of a chosen node: its original parent's canonical column (+2, see
     # _assemble_tree), or 1 for a child of the root.
     parent_key = F.pad(canonical + 2, (1, 0), value=1).gather(1, cands.parents + 1)
     scores = merged_score.clamp(min=0.0)
-    tree = _assemble_tree(root_tokens, cands, chosen, num_real, parent_key, scores)
+    tree = _assemble_tree(root_tokens, cands, chosen, num_real, rank, parent_key, scores)
     return GraftResult(tree, num_merged)
 
 
@@ -176,25 +177,34 @@ def _merge_duplicates(facts: PathFacts) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _select_best(
     merged_score: torch.Tensor, depth: torch.Tensor, is_canonical: torch.Tensor, slots: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chosen [bs, slots], num_real [bs])``: the columns of the best ``num_real`` live
-    canonical nodes in ascending order, then ``m + 1`` (a filler slot) for the rest.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(chosen [bs, slots], num_real [bs], rank [bs, m + 2])``: the columns of the best
+    ``num_real`` live canonical nodes in ascending order, then ``m + 1`` (a filler slot)
+    for the rest; and, at index ``c + 2``, the tree position of chosen column ``c`` (index
+    0 is -1 for "none", index 1 is 0 for the root), which ``_assemble_tree`` reads parents from.
 
     One unique integer key per column: score desc (float bits are monotone for non-negative
     floats), then depth asc, then column asc, in bit fields ``[score | depth:12 | column:12]``;
-    dead and duplicate columns last.
+    dead and duplicate columns last. The chosen columns are put in ascending order by a
+    running count over a mask of them, not by a sort (one library call fewer per round).
     """
     bs, m = merged_score.shape
-    cols = arange_cached(m, merged_score.device)
+    device = merged_score.device
+    cols = arange_cached(m, device)
     score_bits = merged_score.clamp(0.0, 1.0).float().view(torch.int32).long()
     key = torch.add(cols + (0x3F800000 << 24), depth, alpha=1 << 12)
     key = torch.where(is_canonical, torch.add(key, score_bits, alpha=-(1 << 24)), _DEAD_KEY)
     top = key.topk(min(slots, m), dim=1, largest=False, sorted=False).indices
     took = is_canonical.gather(1, top)
-    chosen = torch.where(took, top, m + 1).sort(dim=1).values
-    if slots > m:
-        chosen = F.pad(chosen, (0, slots - m), value=m + 1)
-    return chosen, took.sum(dim=1)
+    marks = torch.zeros(bs, m + 2, dtype=torch.int64, device=device)  # [none, root, columns...]
+    marks[:, 1] = 1
+    marks.scatter_(1, top + 2, took.long())
+    rank = marks.cumsum(dim=1) - 1
+    # Chosen column c fills slot rank - 1; the others are sent to a spare slot, then dropped.
+    slot = torch.where(marks[:, 2:] > 0, rank[:, 2:] - 1, slots)
+    chosen = torch.full((bs, slots + 1), m + 1, dtype=torch.int64, device=device)
+    chosen = chosen.scatter_(1, slot, cols.expand(bs, m))[:, :slots]
+    return chosen, took.sum(dim=1), rank
 
 
 @functools.lru_cache(maxsize=64)
@@ -217,16 +227,17 @@ def _assemble_tree(
     cands: Candidates,
     chosen: torch.Tensor,
     num_real: torch.Tensor,
+    rank: torch.Tensor,
     parent_key: torch.Tensor,
     scores: torch.Tensor,
 ) -> TokenTree:
     """The tree ``[root, chosen real columns ascending, filler chain]``.
 
     Columns ``m`` and ``m + 1`` are appended as the root and filler templates, so one gather
-    per field builds every node. A chosen column's tree parent is the rank of its canonical
-    parent among the chosen ones (``parent_key`` is that column + 2, or 1 for the root):
-    a cumulative sum over a "chosen" mask whose entries 0, 1 stand for "none" and the root.
-    Filler node ``t`` hangs under ``t - 1``, the first one under the root.
+    per field builds every node. A chosen column's tree parent is the tree position of its
+    canonical parent, read from ``rank`` (see ``_select_best``) at ``parent_key`` (that
+    column + 2, or 1 for the root). Filler node ``t`` hangs under ``t - 1``, the first one
+    under the root.
     """
     bs, m = cands.tokens.shape
     n = chosen.shape[1] + 1
@@ -241,10 +252,6 @@ def _assemble_tree(
         dim=2,
     ).gather(2, index.unsqueeze(1).expand(bs, 3, n))
     node_scores = torch.cat([scores.float(), tmpl_scores.expand(bs, 2)], dim=1).gather(1, index)
-    # rank[k]: -1 for "none", 0 for the root, else the tree position of column k - 2.
-    chosen_mask = torch.zeros(bs, m + 4, dtype=torch.int64, device=device)
-    chosen_mask[:, 1] = 1
-    rank = chosen_mask.scatter_(1, chosen + 2, 1).cumsum(dim=1) - 1
     key = F.pad(parent_key, (0, 2)).gather(1, index)  # the root template's key 0 means "none"
     t, t_minus_1 = _node_index(n, device)
     last_real = num_real.view(bs, 1)
