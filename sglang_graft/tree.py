@@ -167,15 +167,43 @@ def depths_from_parents(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_mask(parents).sum(dim=2) - 1
 
 
+#: A compiled round orders trees of up to this many ``[request, node, node]`` cells by
+#: comparing every pair of nodes (one fused loop) instead of sorting (a library call that a
+#: CPU package pays microseconds of dispatch for); eager PyTorch always sorts, since there
+#: each pairwise op costs as much as the sort and the ``[bs, n, n]`` temporaries grow fast.
+COUNTING_MAX_CELLS = 4096
+
+
 def child_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(next_token, next_sibling)``: each node's lowest-index child, and its next
     higher-index sibling; ``-1`` where there is none. This is the order SGLang's
     ``build_tree_efficient`` kernel produces and its verify kernels walk.
 
     ``parents`` must be a tree (the root at column 0 with parent -1, every other parent an
-    earlier column). Sorting the nodes by ``(parent, column)`` lines up each parent's
-    children in index order, so one sort and two scatters give both links in ``O(n log n)``.
+    earlier column). Both ways of computing the links (``child_links_by_sort`` and, for
+    small compiled rounds, ``child_links_by_count``) return the same contiguous tensors:
+    SGLang's kernels read them through raw pointers with row stride n.
     """
+    bs, n = parents.shape
+    if torch.compiler.is_compiling() and bs * n * n <= COUNTING_MAX_CELLS:
+        return child_links_by_count(parents)
+    return child_links_by_sort(parents)
+
+
+def child_links_by_count(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``child_links`` by comparing every pair of nodes: ``O(n^2)`` work per request."""
+    bs, n = parents.shape
+    cols = arange_cached(n, parents.device)
+    # [b, i, j]: is j a child of i; is j a later sibling of i. The lowest such j, else n.
+    first_child = torch.where(parents.unsqueeze(1) == cols.view(n, 1), cols, n).amin(dim=2)
+    siblings = (parents.unsqueeze(1) == parents.unsqueeze(2)) & (cols.view(1, n) > cols.view(n, 1))
+    next_sibling = torch.where(siblings, cols, n).amin(dim=2)
+    return torch.where(first_child < n, first_child, -1), torch.where(next_sibling < n, next_sibling, -1)
+
+
+def child_links_by_sort(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``child_links`` in ``O(n log n)``: sorting the nodes by ``(parent, column)`` lines up
+    each parent's children in index order, so one sort and two scatters give both links."""
     bs, n = parents.shape
     device = parents.device
     order = torch.add(arange_cached(n, device), parents, alpha=n).argsort(dim=1)  # the root first
@@ -187,7 +215,6 @@ def child_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The first of each run of siblings is its parent's first child; the rest go to a spare column.
     first_child = torch.full((bs, n + 1), -1, dtype=torch.int64, device=device)
     first_child.scatter_(1, torch.where(same, n, parent_of_later), later)
-    # Contiguous: SGLang's kernels read these through raw pointers with row stride n.
     return first_child[:, :n].contiguous(), next_sibling
 
 
@@ -211,17 +238,23 @@ def pack(
     if seq_lens.shape != (bs,):
         raise ValueError(f"seq_lens must have shape ({bs},) like the tree batch, got {tuple(seq_lens.shape)}")
     device = tree.tokens.device
-    seq_lens = seq_lens.to(device=device, dtype=torch.int64)
+    if seq_lens.dtype != torch.int64 or seq_lens.device != device:
+        seq_lens = seq_lens.to(device=device, dtype=torch.int64)
     next_token, next_sibling = tree.child_links()
     if mask_mode == "qlen":
         tree_mask = tree.ancestors.reshape(-1)
     else:
         total = int(seq_lens.sum()) if seq_lens_sum is None else int(seq_lens_sum)
-        tree_mask = torch.ones(total * n + n * n * bs, dtype=torch.bool, device=device)
-        tree_mask[_full_mask_index(seq_lens, n)] = tree.ancestors.reshape(-1)
+        if bs == 1:  # one block of n rows: the tree columns are the last n of each row
+            tree_mask = torch.ones(n, total + n, dtype=torch.bool, device=device)
+            tree_mask[:, total:] = tree.ancestors[0]
+            tree_mask = tree_mask.view(-1)
+        else:
+            tree_mask = torch.ones(total * n + n * n * bs, dtype=torch.bool, device=device)
+            tree_mask[_full_mask_index(seq_lens, n)] = tree.ancestors.reshape(-1)
     return VerifyLayout(
         tree_mask=tree_mask,
-        positions=(seq_lens.unsqueeze(1) + tree.depths).reshape(-1),
+        positions=torch.add(tree.depths, seq_lens.view(bs, 1)).view(-1),
         retrive_index=torch.arange(bs * n, device=device).view(bs, n),
         retrive_next_token=next_token,
         retrive_next_sibling=next_sibling,

@@ -16,6 +16,8 @@ from sglang_graft.tree import (
     ancestor_mask,
     build_eagle_tree,
     child_links,
+    child_links_by_count,
+    child_links_by_sort,
     depths_from_parents,
     eagle_candidates,
     pack,
@@ -149,6 +151,18 @@ def test_pack_invariants_on_random_trees(bs, n, seed, mode):
     # SGLang's kernels read every layout tensor through a raw pointer with row stride n.
     for name, t in lay._asdict().items():
         assert t.is_contiguous(), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 70), st.integers(0, 2**31 - 1))
+def test_child_links_by_count_equals_by_sort(bs, n, seed):
+    """The compiled round's pairwise links are the eager round's sorted ones, bit for bit
+    (``test_pack_invariants_on_random_trees`` checks those against a walk of the parents)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.tensor([random_parents(n, gen) for _ in range(bs)])
+    for got, want in zip(child_links_by_count(parents), child_links_by_sort(parents)):
+        assert got.dtype == want.dtype and got.is_contiguous()
+        assert torch.equal(got, want)
 
 
 def test_ancestor_mask_is_closed_and_links_match_parents():
