@@ -6,8 +6,8 @@ so on a CPU nearly all of its time is dispatch. AOTInductor traces the very func
 eager path runs (``prune_and_graft``, then ``child_links``) for one static shape and
 compiles them into a shared library that runs the round in one call, about ten times
 faster at batch size 1 (``scripts/bench_core.py --compiled``). The online gates'
-estimate after each draft level (``CompiledGate``) is compiled the same way: about ten
-ops between two draft forwards, in one call.
+estimate and verdict after each draft level (``CompiledGate``) are compiled the same
+way: about a dozen ops between two draft forwards, in one call.
 
 Each package is cached on disk, keyed by the shapes, the gate settings, the torch
 version and the source of every module it traces, so a configuration is compiled once
@@ -304,27 +304,34 @@ class CompiledRound:
 
 
 class _GateModule(torch.nn.Module):
-    """The pruner's calibrated confidence at one depth, over flat tensor inputs."""
+    """The pruner's gate after one draft level, over flat tensor inputs: the calibrated
+    confidence and the verdict (a negative ``threshold`` stands for "no gate here")."""
 
     def __init__(self, pruner: ConfidencePruner) -> None:
         super().__init__()
         self.pruner = pruner
 
     def forward(
-        self, confidence: torch.Tensor, depth: torch.Tensor, proposed: torch.Tensor, accepted: torch.Tensor
-    ) -> tuple[torch.Tensor]:
-        return (self.pruner.with_counts(proposed, accepted).calibrated(depth, confidence),)
+        self,
+        step_scores: torch.Tensor,
+        depth: torch.Tensor,
+        threshold: torch.Tensor,
+        proposed: torch.Tensor,
+        accepted: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        confidence = self.pruner.with_counts(proposed, accepted).level_confidence(depth, step_scores)
+        return confidence, (confidence >= threshold) | (threshold < 0)
 
 
 class CompiledGate:
-    """``ConfidencePruner.level_confidence``, compiled once per batch bucket.
+    """``ConfidencePruner.gate``, compiled once per batch bucket and score shape.
 
     After every draft level the online gates turn each request's best path score into a
-    calibrated estimate: about ten tensor ops, between two draft forwards, which on the
-    CPU cost far more than the arithmetic. The package does them in one call; the depth
-    and the calibration counts are inputs, so one package serves every depth and follows
-    every ``observe``. Only the online mode has anything to compile (the fixed mode's
-    confidence is the raw score).
+    calibrated estimate and compare it with the level's threshold: about a dozen tensor
+    ops, between two draft forwards, which on the CPU cost far more than the arithmetic.
+    The package does them in one call; the depth, the threshold and the calibration counts
+    are inputs, so one package serves every depth and follows every ``observe``. Only the
+    online mode has anything to compile (the fixed mode's confidence is the raw score).
     """
 
     def __init__(self, pruner: ConfidencePruner, cache_dir: Path | None = None) -> None:
@@ -333,32 +340,36 @@ class CompiledGate:
         self.pruner = pruner
         self.cache_dir = cache_dir or default_cache_dir()
         self._runners: dict[tuple, Runner] = {}
-        self._depths: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._levels: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def level_confidence(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
-        """The same ``[bs]`` float32 as ``pruner.level_confidence(depth, step_scores)``."""
+    def gate(self, depth: int, step_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same ``[bs]`` float32 confidence and ``[bs]`` bool verdict as
+        ``pruner.gate(depth, step_scores)``."""
         bs = step_scores.shape[0]
-        confidence = step_scores.reshape(bs, -1).amax(dim=1)
-        if confidence.dtype != torch.float32:
-            confidence = confidence.float()
         rows = _bucket(bs, least=1)
         if rows != bs:
-            confidence = F.pad(confidence, (0, rows - bs))
-        device = confidence.device
-        depth_t = self._depths.get((depth, device))
-        if depth_t is None:
-            depth_t = self._depths[(depth, device)] = torch.tensor(depth, device=device)
+            step_scores = F.pad(step_scores, (0, 0) * (step_scores.dim() - 1) + (0, rows - bs))
+        elif not step_scores.is_contiguous():
+            step_scores = step_scores.contiguous()
+        device = step_scores.device
+        level = self._levels.get((depth, device))
+        if level is None:
+            threshold = self.pruner.config.threshold_at(depth)
+            level = self._levels[(depth, device)] = (
+                torch.tensor(depth, device=device),
+                torch.tensor(-1.0 if threshold is None else threshold, device=device),
+            )
         cal = self.pruner.calibrator
-        flat = [confidence, depth_t, cal.proposed, cal.accepted]
-        key = (rows, device.type)
+        flat = [step_scores, *level, cal.proposed, cal.accepted]
+        key = (step_scores.shape, step_scores.dtype, device.type)
         runner = self._runners.get(key)
         if runner is None:
-            config = f"{_source_digest()}|{rows}|{device.type}|{self.pruner.config!r}"
+            config = f"{_source_digest()}|{key}|{self.pruner.config!r}"
             path = self.cache_dir / f"gate-{hashlib.sha256(config.encode()).hexdigest()[:24]}.pt2"
-            what = f"the draft gate for bs={rows} on {device.type}"
+            what = f"the draft gate for bs={rows}, scores {tuple(step_scores.shape[1:])} on {device.type}"
             runner = self._runners[key] = load_package(_GateModule(self.pruner), tuple(flat), path, what)
-        q = runner(flat)[0]
-        return q if rows == bs else q[:bs]
+        confidence, go_on = runner(flat)
+        return (confidence, go_on) if rows == bs else (confidence[:bs], go_on[:bs])
 
 
 def load_package(module: torch.nn.Module, flat: tuple[torch.Tensor, ...], path: Path, what: str) -> Runner:

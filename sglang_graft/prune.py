@@ -126,7 +126,7 @@ class ConfidencePruner:
             return torch.ones(step_scores.shape[0], dtype=torch.bool, device=step_scores.device)
         return self.level_confidence(depth, step_scores) >= threshold
 
-    def level_confidence(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
+    def level_confidence(self, depth: int | torch.Tensor, step_scores: torch.Tensor) -> torch.Tensor:
         """``[bs]`` calibrated score of each request's best path at level ``depth``."""
         return self.calibrated(depth, step_scores.reshape(step_scores.shape[0], -1).amax(dim=1))
 
@@ -134,6 +134,12 @@ class ConfidencePruner:
         """``step_continues`` from an already computed ``level_confidence``."""
         threshold = self.config.threshold_at(depth)
         return torch.ones_like(confidence, dtype=torch.bool) if threshold is None else confidence >= threshold
+
+    def gate(self, depth: int, step_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(level_confidence, passes)`` after drafting level ``depth``: each request's
+        estimate, and whether its gate lets it draft deeper (``[bs]`` each)."""
+        confidence = self.level_confidence(depth, step_scores)
+        return confidence, self.passes(depth, confidence)
 
     def prune(self, drafts: Candidates, stop_depth: torch.Tensor) -> Candidates:
         """Keep draft nodes from levels no deeper than each request's ``stop_depth`` ``[bs]``

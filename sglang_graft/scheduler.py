@@ -120,12 +120,12 @@ class GraftScheduler:
         # Skipping the draft altogether needs retrieval to fill the tree instead: graft only.
         self.draft_gate = DraftOrRetrieve(config.draft_cost_ratio) if costed and config.uses_retrieval else None
         self.compiled: CompiledRound | None = None
-        # Whatever computes the gates' calibrated confidence: the pruner, or its compiled twin.
-        self._confidence: ConfidencePruner | CompiledGate = self.pruner
+        # Whatever computes the gates' estimates and verdicts: the pruner, or its compiled twin.
+        self._gates: ConfidencePruner | CompiledGate = self.pruner
         if config.compile_core:
             self.compiled = CompiledRound(self.pruner if config.uses_gates else None, config.num_nodes)
             if config.uses_gates and config.gates.mode == "online":
-                self._confidence = CompiledGate(self.pruner)
+                self._gates = CompiledGate(self.pruner)
 
     def draft_continues(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
         """After drafting level ``depth``: which requests may draft deeper (``[bs]`` bool).
@@ -141,8 +141,7 @@ class GraftScheduler:
         )
         if not gated:
             return torch.ones(bs, dtype=torch.bool, device=step_scores.device)
-        q = self._confidence.level_confidence(depth, step_scores)  # one estimate for both tests
-        go_on = self.pruner.passes(depth, q)
+        q, go_on = self._gates.gate(depth, step_scores)  # one estimate for both tests
         return go_on if self.depth_budget is None else go_on & self.depth_budget.continues(depth, q).to(q.device)
 
     def retrieve(self, rids: Sequence[str]) -> Candidates | None:

@@ -139,15 +139,18 @@ def test_compiled_gate_equals_the_eager_gate_and_follows_calibration(cache_dir, 
     gen = torch.Generator().manual_seed(5)
     level = [torch.rand(3, 1, TOPK, generator=gen)] + [torch.rand(3, TOPK, TOPK, generator=gen) for _ in range(4)]
     with torch.inference_mode():
-        before = [gate.level_confidence(d, s) for d, s in enumerate(level, start=1)]
+        before = [gate.gate(d, s) for d, s in enumerate(level, start=1)]
         for d, (got, s) in enumerate(zip(before, level), start=1):
-            assert torch.equal(got, pruner.level_confidence(d, s)), d
+            want = pruner.gate(d, s)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), d
+        assert before[0][1].shape == (3,) and before[0][1].dtype == torch.bool
         depths = torch.arange(1, 6).repeat_interleave(GATES.num_bins)  # every (depth, bin) cell
         bins = torch.arange(GATES.num_bins).repeat(5)
         pruner.calibrator.observe(depths, bins, bins % 3 == 0)
         for d, s in enumerate(level, start=1):
-            assert torch.equal(gate.level_confidence(d, s), pruner.level_confidence(d, s)), d
-        assert not torch.equal(gate.level_confidence(2, level[1]), before[1]), "the counts moved"
+            got, want = gate.gate(d, s), pruner.gate(d, s)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), d
+        assert not torch.equal(gate.gate(2, level[1])[0], before[1][0]), "the counts moved"
         monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(cache_dir.parent))
         for ratio in (None, 0.3):
             config = SchedulerConfig("pruned", N, GATES, draft_cost_ratio=ratio, draft_depth=5)
