@@ -28,6 +28,7 @@ duplicates that lose the last-write-wins rule and is never read.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from array import array
@@ -156,24 +157,15 @@ class RecycledPicks(NamedTuple):
 
 
 class _BuiltTemplate:
-    """A ``RankTemplate`` with what every round reuses until the rounded rates move:
-    device index tensors, the packed fields and scores, and the host selection order."""
+    """A ``RankTemplate`` with what every round reuses until the rounded rates move: the
+    host selection order and scores, and (built on first use: host loops never need them)
+    the device index tensors, packed fields and scores."""
 
     def __init__(self, t: RankTemplate, key: tuple[int, ...], device: torch.device) -> None:
         self.template = t
         self.key = key
         self.size = len(t.parents)
-        self.levels = [
-            (torch.tensor(pos, dtype=torch.int64, device=device), torch.tensor(r, dtype=torch.int64, device=device))
-            for pos, r in t.levels
-        ]
-        # The packed fields but the tokens row: [parents, sources, bins].
-        self.fields = torch.tensor(
-            [t.parents, [int(Source.RECYCLING)] * self.size, t.ranks],
-            dtype=torch.int64,
-            device=device,
-        ).view(3, 1, self.size)
-        self.scores = torch.tensor([t.scores], dtype=torch.float32, device=device)
+        self.device = device
         # Rates strictly between these bounds (their step's edges, narrowed by a margin far
         # above rounding error) round to ``key``, so they need no logarithms.
         margin = 1e-6
@@ -182,6 +174,26 @@ class _BuiltTemplate:
         # Host loops: the scores as float32 values and the nodes in select_top's order.
         self.scores32: list[float] = array("f", t.scores).tolist()
         self.order = sorted(range(self.size), key=self.scores32.__getitem__, reverse=True)
+
+    @functools.cached_property
+    def levels(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per depth, the (parent position, rank) index tensors ``expand_tokens`` gathers with."""
+        return [
+            (torch.tensor(pos, dtype=torch.int64, device=self.device), torch.tensor(r, dtype=torch.int64, device=self.device))
+            for pos, r in self.template.levels
+        ]
+
+    @functools.cached_property
+    def fields(self) -> torch.Tensor:
+        """The packed fields but the tokens row: ``[parents, sources, bins]``, ``[3, 1, size]``."""
+        t = self.template
+        rows = [t.parents, [int(Source.RECYCLING)] * self.size, t.ranks]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device).view(3, 1, self.size)
+
+    @functools.cached_property
+    def scores(self) -> torch.Tensor:
+        """``[1, size]`` float32 path scores."""
+        return torch.tensor([self.template.scores], dtype=torch.float32, device=self.device)
 
 
 class RecyclingTable:

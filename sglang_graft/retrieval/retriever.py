@@ -356,7 +356,7 @@ class Retriever:
 
     @staticmethod
     def _check_distinct(rids: Sequence[Hashable]) -> None:
-        if len(dict.fromkeys(rids)) != len(rids):
+        if len(rids) > 1 and len(dict.fromkeys(rids)) != len(rids):
             raise ValueError(f"request ids in a batch must be distinct, got {list(rids)!r}")
 
     def _check_tree_bounds(self, bounds: list[tuple[int, int]]) -> None:

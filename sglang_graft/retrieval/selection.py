@@ -103,6 +103,7 @@ def select_top_host(rows: list[HostColumns], budgets: list[int], width: int, cou
         return Candidates.empty(bs)
     tokens, parents, sources, bins = array("q"), array("q"), array("q"), array("q")
     scores = array("f")
+    valid = bytearray()
     for row, budget in zip(rows, budgets):
         order = sorted(range(len(row.scores)), key=row.scores.__getitem__, reverse=True)[: min(budget, width)]
         position = {row.columns[i]: j for j, i in enumerate(order)}
@@ -120,15 +121,20 @@ def select_top_host(rows: list[HostColumns], budgets: list[int], width: int, cou
         sources.extend([int(Source.FILLER)] * pad)
         bins.extend([0] * pad)
         scores.extend([0.0] * pad)
-    fields = torch.frombuffer(tokens + parents + sources + bins, dtype=torch.int64).view(4, bs, width)
-    tokens_t, parents_t, sources_t, bins_t = fields.unbind()
+        valid += b"\x01" * len(order) + b"\x00" * pad
+
+    # One tensor per field straight over its host buffer: cheaper than slicing a joint
+    # tensor or comparing the tokens (about as costly as a real op each, on tiny tensors).
+    def rows_of(values: array | bytearray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.frombuffer(values, dtype=dtype).view(bs, width)
+
     return Candidates(
-        tokens=tokens_t,
-        parents=parents_t,
-        scores=torch.frombuffer(scores, dtype=torch.float32).view(bs, width),
-        sources=sources_t,
-        valid=tokens_t >= 0,
-        bins=bins_t,
+        tokens=rows_of(tokens, torch.int64),
+        parents=rows_of(parents, torch.int64),
+        scores=rows_of(scores, torch.float32),
+        sources=rows_of(sources, torch.int64),
+        valid=rows_of(valid, torch.bool),
+        bins=rows_of(bins, torch.int64),
     )
 
 
