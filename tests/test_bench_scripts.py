@@ -26,7 +26,8 @@ def test_bench_retrieval_prints_a_row_per_configuration_on_both_paths():
         "bench_retrieval.py", "--bs", "1", "2", "--context", "64", "--history", "0", "500",
         "--rounds", "3", "--warmup", "1", "--vocab", "1000", "--host-loop-max-batch", "1",
     )
-    rows = re.findall(r"^\s*(\d+)\s+64\s+(\d+) \|\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ \|", out, re.M)
+    # propose, observe, append, total (medians), mean
+    rows = re.findall(r"^\s*(\d+)\s+64\s+(\d+) \|\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ \|", out, re.M)
     assert rows == [("1", "0"), ("2", "0"), ("1", "500"), ("2", "500")]
     assert "host loops up to bs=1" in out and "Python loop step" in out
 
