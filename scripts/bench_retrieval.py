@@ -4,8 +4,8 @@ Each configuration (batch size x context length x history size) opens ``bs`` req
 prompts are synthetic documents (fresh tokens, copies of their own earlier spans, and
 spans shared with the history documents, so every source finds matches), then runs decode
 rounds: ``propose`` -> a verify tree of the root plus every proposed node -> greedy
-acceptance against the document's true continuation -> ``observe`` (with random target
-top-k ids) -> ``append`` of the accepted tokens plus the bonus. Only the three retrieval
+acceptance against the document's true continuation -> ``observe`` (with the target's top-k
+as ``target_topk`` simulates it) -> ``append`` of the accepted tokens plus the bonus. Only the three retrieval
 calls are timed; building the tree and simulating the target are not. Columns: the median
 microseconds per request per round of each call, their sum (``total``), and the mean of the
 per-round sums (``mean``: it also counts the rare slow rounds, such as a rebuilt recycling
@@ -26,6 +26,7 @@ import torch
 
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.retrieval import Retriever, RetrieverConfig
+from sglang_graft.tree import depths_from_parents
 
 
 def document(rng: random.Random, length: int, vocab: int, pool: list[list[int]]) -> list[int]:
@@ -66,6 +67,21 @@ def verify_round(c: Candidates, roots: torch.Tensor, truth: torch.Tensor):
     return tokens, parents, sources, bins, accepted, accepted_len
 
 
+def target_topk(
+    parents: torch.Tensor, accepted: torch.Tensor, truth: torch.Tensor, vocab: int, gen: torch.Generator | None = None
+) -> torch.Tensor:
+    """``[bs, n, 8]`` the target's top-8 after every node of a ``verify_round`` tree, as a
+    verify pass reports it: after an accepted node at depth ``d`` the document's next token
+    ``truth[:, d]`` is the top-1 (what greedy decoding emits there); the other ranks, and
+    every rank after a rejected node, are random ids. The recycling table thus learns the
+    document's real successors where a real target's top-1 would teach them."""
+    bs, n = accepted.shape
+    topk = torch.randint(0, vocab, (bs, n, 8), generator=gen)
+    depth = depths_from_parents(parents).clamp(max=truth.shape[1] - 1)
+    topk[:, :, 0] = torch.where(accepted, truth.gather(1, depth), topk[:, :, 0])
+    return topk
+
+
 def run_config(
     r: Retriever, rng: random.Random, bs: int, ctx: int, args: argparse.Namespace, pool: list[list[int]]
 ) -> dict[str, float]:
@@ -89,7 +105,7 @@ def run_config(
         t1 = time.perf_counter_ns()
         c = Candidates(*(t.cpu() for t in (c.tokens, c.parents, c.scores, c.sources, c.valid, c.bins)))
         tokens, parents, sources, bins, accepted, acc_len = verify_round(c, roots, truth)
-        topk = torch.randint(0, vocab, (bs, tokens.shape[1], 8))
+        topk = target_topk(parents, accepted, truth, vocab)
         tree = [t.to(r.device) for t in (tokens, parents, sources, accepted, topk, bins)]
         t2 = time.perf_counter_ns()
         r.observe(rids, *tree[:5], tree_bins=tree[5])

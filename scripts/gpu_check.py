@@ -221,7 +221,7 @@ def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -
     itself too, so this also checks the two CPU paths against each other). Every proposal
     must match (padding columns aside); the device's propose and observe are timed.
     """
-    from bench_retrieval import document, verify_round  # scripts/ is this script's directory
+    from bench_retrieval import document, target_topk, verify_round  # scripts/ is this script's directory
 
     from sglang_graft.retrieval import Retriever, RetrieverConfig
 
@@ -255,7 +255,7 @@ def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -
             roots = torch.tensor([d[p - 1] for d, p in zip(docs, pos)])
             truth = torch.tensor([d[p : p + budget + 1] for d, p in zip(docs, pos)])
             tokens, parents, sources, bins, accepted, acc_len = verify_round(ref, roots, truth)
-            topk = torch.randint(0, vocab, (bs, tokens.shape[1], 8), generator=gen)
+            topk = target_topk(parents, accepted, truth, vocab, gen)
             tree = (tokens, parents, sources, accepted, topk)
             retrievers[0].observe(rids, *tree, tree_bins=bins)
             timer.run("observe", lambda: retrievers[1].observe(rids, *_to(list(tree), device), tree_bins=bins.to(device)))
