@@ -158,8 +158,8 @@ class RecycledPicks(NamedTuple):
 
 class _BuiltTemplate:
     """A ``RankTemplate`` with what every round reuses until the rounded rates move: the
-    host selection order and scores, and (built on first use: host loops never need them)
-    the device index tensors, packed fields and scores."""
+    host scores and walk in selection order, and (built on first use: host loops never
+    need them) the device index tensors, packed fields and scores."""
 
     def __init__(self, t: RankTemplate, key: tuple[int, ...], device: torch.device) -> None:
         self.template = t
@@ -173,7 +173,8 @@ class _BuiltTemplate:
         self.high = [min(math.exp((q + 0.5 - margin) / _STEPS_PER_LOG_UNIT), 1.0) for q in key]
         # Host loops: the scores as float32 values and the nodes in select_top's order.
         self.scores32: list[float] = array("f", t.scores).tolist()
-        self.order = sorted(range(self.size), key=self.scores32.__getitem__, reverse=True)
+        order = sorted(range(self.size), key=self.scores32.__getitem__, reverse=True)
+        self.walk = [(i, t.parents[i], t.ranks[i]) for i in order]  # (node, parent, rank)
 
     @functools.cached_property
     def levels(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -338,21 +339,25 @@ class RecyclingTable:
         Nodes are walked in selection order (float32 score descending, then column), in
         which a parent always precedes its children (a child never outscores its parent,
         and its column is larger), so each token is read from its parent's. An unknown
-        node is skipped; its descendants then read the all -1 last row, as on the device.
+        node is skipped, and so are its descendants (on the device they read the all -1
+        last row).
         """
         if limit < 1:
             raise ValueError(f"limit must be >= 1 node per root, got {limit}")
         built = self._built_template(rank_rates)
-        order = built.order
         table, k = self._host_table(), self.k
-        parents, ranks = built.template.parents, built.template.ranks
         nodes, tokens = [], []
         for root in roots:
             known = [-1] * built.size
             row_nodes: list[int] = []
-            for i in order:
-                p = parents[i]
-                token = table[(root if p < 0 else known[p]) * k + ranks[i]]
+            for i, p, rank in built.walk:
+                if p < 0:
+                    token = table[root * k + rank]
+                else:
+                    parent = known[p]
+                    if parent < 0:
+                        continue
+                    token = table[parent * k + rank]
                 if token >= 0:
                     known[i] = token
                     row_nodes.append(i)
@@ -360,7 +365,7 @@ class RecyclingTable:
                         break
             nodes.append(row_nodes)
             tokens.append([known[i] for i in row_nodes])
-        return RecycledPicks(parents, ranks, built.scores32, nodes, tokens)
+        return RecycledPicks(built.template.parents, built.template.ranks, built.scores32, nodes, tokens)
 
     def _host_table(self) -> array:
         if self._host is None:
