@@ -123,8 +123,8 @@ def select_top_host(rows: list[HostColumns], budgets: list[int], width: int, cou
         scores.extend([0.0] * pad)
         valid += b"\x01" * len(order) + b"\x00" * pad
 
-    # One tensor per field straight over its host buffer: cheaper than slicing a joint
-    # tensor or comparing the tokens (about as costly as a real op each, on tiny tensors).
+    # One tensor per field straight over its host buffer (``valid`` too): measured cheaper
+    # per round than one joint buffer split by ``unbind`` plus a comparison for ``valid``.
     def rows_of(values: array | bytearray, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(values, dtype=dtype).view(bs, width)
 
