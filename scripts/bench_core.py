@@ -5,7 +5,7 @@ chain per request, at the given batch sizes and verify budgets. Columns: ``eagle
 per-step outputs turned into one candidate set, what the SGLang worker does before the
 round), ``gates`` (the five per-level confidence gates), ``prune+graft``
 (eager ``prune_and_graft``, or with ``--compiled`` the AOTInductor package of the same
-code, ``sglang_graft.compiled``, which also compiles the gates' estimate), ``pack`` (the verify layout, full mask). Prints a table
+code, ``sglang_graft.compiled``, which also compiles the gates' estimate and verdict), ``pack`` (the verify layout, full mask). Prints a table
 (median of --reps rounds after --warmup); no assertions: numbers for notes. With
 ``--compiled`` each new shape is compiled once (about half a minute on 2 cores) and cached.
 

@@ -76,7 +76,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
     p.add_argument("--compile-core", action="store_true",
-                   help="build each round's tree, and the online gates' estimate after each draft level, with "
+                   help="build each round's tree, and the online gates' estimate and verdict after each draft level, with "
                         "the AOTInductor-compiled core (sglang_graft.compiled): the same code in one native call "
                         "each, 4-8x less tree-building time per round at batch size 1; "
                         "each new shape compiles once (~20-40 s on 2 cores, needs a C++ compiler) and is "

@@ -67,7 +67,7 @@ class SchedulerConfig:
             policies also stop drafting once another level is not expected to raise tokens
             per second (``sglang_graft.cost``); None leaves the depth to the gates alone.
         draft_depth: the drafter's deepest level (the cost look-ahead's horizon).
-        compile_core: build each round's tree, and the online gates' estimate after each
+        compile_core: build each round's tree, and the online gates' estimate and verdict after each
             draft level, with ``sglang_graft.compiled`` (the same code, compiled once per
             shape by AOTInductor) instead of eager PyTorch.
     """
