@@ -179,10 +179,10 @@ class _BuiltTemplate:
     @functools.cached_property
     def levels(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per depth, the (parent position, rank) index tensors ``expand_tokens`` gathers with."""
-        return [
-            (torch.tensor(pos, dtype=torch.int64, device=self.device), torch.tensor(r, dtype=torch.int64, device=self.device))
-            for pos, r in self.template.levels
-        ]
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return [(index(pos), index(r)) for pos, r in self.template.levels]
 
     @functools.cached_property
     def fields(self) -> torch.Tensor:
