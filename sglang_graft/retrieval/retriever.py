@@ -424,8 +424,7 @@ class Retriever:
             tokens.extend(hist.tokens)
             tokens.extend([-1] * pad)
             parents.extend(rec_parents)
-            parents.extend([p + n_rec if p >= 0 else -1 for p in ctx.parents])
-            parents.extend([p + n_rec + nc if p >= 0 else -1 for p in hist.parents])
+            parents.extend(_block_parents(ctx, hist, n_rec))
             parents.extend([-1] * pad)
             sources.extend(rec_sources)
             sources.extend([int(Source.CONTEXT)] * nc + [int(Source.HISTORY)] * nh + [int(Source.FILLER)] * pad)
@@ -468,8 +467,7 @@ class Retriever:
                     columns=nodes + list(range(n_rec, n_rec + nc + nh)),
                     tokens=tokens + ctx.tokens + hist.tokens,
                     parents=[picks.parents[j] for j in nodes]
-                    + [p + n_rec if p >= 0 else -1 for p in ctx.parents]
-                    + [p + n_rec + nc if p >= 0 else -1 for p in hist.parents],
+                    + _block_parents(ctx, hist, n_rec),
                     sources=[int(Source.RECYCLING)] * len(nodes)
                     + [int(Source.CONTEXT)] * nc
                     + [int(Source.HISTORY)] * nh,
@@ -512,3 +510,11 @@ class Retriever:
         if ids is not None:
             assert self.recycling is not None
             self.recycling.write_rows(flat_tokens, array("i", flat_ids), ids.shape[-1])
+
+
+def _block_parents(ctx: HostProposal, hist: HostProposal, first: int) -> list[int]:
+    """The parents of a request's context then history nodes, as columns of a packed block
+    where the context nodes start at column ``first`` (-1 stays the root)."""
+    return [p + first if p >= 0 else -1 for p in ctx.parents] + [
+        p + first + len(ctx.tokens) if p >= 0 else -1 for p in hist.parents
+    ]
