@@ -15,6 +15,11 @@ that was 16 on two Intel Xeons with AMX (a 16-token forward cost what a 1-token 
 24 tokens 1.3x) and 8 on an AMD EPYC (16 tokens 1.18x). The counts are timed round-robin,
 so a host whose speed drifts between minutes slows them all alike.
 
+It also prints the whole curve as ``--verify-costs``: with it, ``pruned``, ``retrieval``
+and ``graft`` choose each round's verify width themselves (up to ``--num-nodes``), keeping
+only the nodes whose expected tokens pay for the extra verify time on this host, instead
+of always verifying a fixed ``n``.
+
 Prints a table (median of --reps forwards after one warm-up); no assertions.
 """
 
@@ -50,6 +55,11 @@ def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
     (2 if none does: speculation then has to win on acceptance alone)."""
     fits = [q for q, ms in target_ms.items() if q >= 2 and ms <= slack * target_ms[1]]
     return max(fits, default=2)
+
+
+def verify_costs_flag(target_ms: dict[int, float]) -> str:
+    """The measured target costs as ``--verify-costs`` takes them (``sglang_graft.cost.VerifyCost``)."""
+    return ",".join(f"{q}:{target_ms[q]:.1f}" for q in sorted(target_ms))
 
 
 def main() -> None:
@@ -90,6 +100,12 @@ def main() -> None:
     verify = args.verify_tokens or n
     ratio = ms["draft"][1] / ms["target"][verify]
     print(f"--draft-cost-ratio {ratio:.2f}  (draft 1-token forward / target {verify}-token verify)")
+    curve = verify_costs_flag(ms["target"])
+    per_token_ratio = ms["draft"][1] / ms["target"][1]
+    print(
+        f"or: --verify-costs {curve} --num-nodes {max(counts)} --draft-cost-ratio {per_token_ratio:.2f}"
+        "  (each round then verifies only the tree width that pays on this host; the ratio is per one-token step)"
+    )
 
 
 if __name__ == "__main__":

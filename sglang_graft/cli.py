@@ -52,6 +52,15 @@ def _positive(kind: str):
     return parse
 
 
+def _verify_costs(text: str) -> tuple[tuple[int, float], ...]:
+    from sglang_graft.cost import VerifyCost
+
+    try:
+        return VerifyCost.parse(text).points
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--verify-costs: {err}") from None
+
+
 def _engine_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``generate`` and ``bench``."""
     p.add_argument("--target", required=True, help="target model folder (transformers format), or 'tiny'")
@@ -72,6 +81,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "alone by the same measure (default: the two models' "
                         "weight-size ratio, which underestimates small drafts: measure it, e.g. 0.4 for the "
                         "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU)")
+    p.add_argument("--verify-costs", type=_verify_costs, default=None, metavar="T:C,...",
+                   help="what a target forward over T tokens costs on this host, e.g. '1:1,8:1.15,16:1.33' "
+                        "(scripts/bench_forward_cost.py prints it): pruned, retrieval and graft then verify only "
+                        "as many of their n nodes as are expected to pay for the extra verify time, and "
+                        "--draft-cost-ratio is read against a one-token target forward (default: every round "
+                        "verifies all n, right where a verify over n tokens costs what one token does)")
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
@@ -163,6 +178,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,
         compile_core=args.compile_core,
+        verify_costs=args.verify_costs,
     )
 
 

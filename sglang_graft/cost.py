@@ -43,6 +43,11 @@ CUDA graphs, does not.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+
 import torch
 
 #: How much of the path probability one more level keeps, before anything is observed.
@@ -81,11 +86,13 @@ class RoundRate:
     def value(self) -> float:
         return self.tokens / self.cost
 
-    def observe(self, tokens_per_request: float, forwards: int) -> None:
-        """Record a verify round: mean tokens per request (bonus included), draft forwards."""
+    def observe(self, tokens_per_request: float, forwards: int, verify_cost: float = 1.0) -> None:
+        """Record a verify round: mean tokens per request (bonus included), draft forwards,
+        and what its verify cost (1: a verify forward at the full budget ``n``, or the
+        ``VerifyCost`` of the tree actually verified)."""
         e = self.ema
         self.tokens = e * self.tokens + (1.0 - e) * tokens_per_request
-        self.cost = e * self.cost + (1.0 - e) * (1.0 + forwards * self.ratio)
+        self.cost = e * self.cost + (1.0 - e) * (verify_cost + forwards * self.ratio)
 
 
 class DepthBudget:
@@ -229,11 +236,11 @@ class DraftOrRetrieve:
             draft |= charge * self.explore_every < self.ratio
         return draft
 
-    def observe(self, tokens_per_request: float, forwards: int) -> None:
-        """Record a verify round: mean tokens emitted per request (bonus included) and the
-        draft forwards it took (0: it ran on retrieval alone)."""
+    def observe(self, tokens_per_request: float, forwards: int, verify_cost: float = 1.0) -> None:
+        """Record a verify round: mean tokens emitted per request (bonus included), the
+        draft forwards it took (0: it ran on retrieval alone) and its verify's cost."""
         e = self.ema
-        self.rate.observe(tokens_per_request, forwards)
+        self.rate.observe(tokens_per_request, forwards, verify_cost)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if forwards == 0 else 0
         if forwards == 0:
             if self._prediction is not None:
@@ -245,3 +252,77 @@ class DraftOrRetrieve:
             self.drafted_tokens = e * self.drafted_tokens + (1.0 - e) * tokens_per_request
             self.drafted_forwards = e * self.drafted_forwards + (1.0 - e) * forwards
         self._prediction = None
+
+
+class VerifyCost:
+    """What a verify forward over ``w`` tokens costs, and the tree width that pays best.
+
+    On a GPU a verify over 16 or 64 tokens costs what a one-token decode step does, so the
+    verify budget ``n`` is always filled. On a CPU it need not: on a 2-core AMD EPYC a bf16
+    1.5B target took 1.15 one-token steps for 8 tokens and 1.33 for 16, while two Intel
+    hosts ran 16 tokens for the price of one. There, a slot is worth filling only with a
+    node likely enough to be accepted: the expected accepted path of a tree is the sum of
+    its nodes' calibrated P(path accepted), so keeping the ``w - 1`` best nodes yields
+    ``T(w) = 1 + sum of the w - 1 best scores`` tokens for ``cost(w)``, and (see the module
+    docstring) the round should maximise ``T(w) - R * cost(w)`` with ``R`` the long-run
+    rate. The best ``w - 1`` nodes by (score desc, depth asc) form a tree, because a parent
+    scores at least its child (``graft.trim`` keeps them).
+
+    A batch shares one width (its rows are padded alike), and a batched forward's cost is
+    read at its total token count, relative to the batch's own one-token step.
+
+    Args:
+        points: ``(tokens, cost)`` pairs measured on the host (``scripts/bench_forward_cost.py``
+            prints them), tokens strictly increasing from 1, costs > 0 in any unit (they
+            are divided by the cost of one token); linear between points and beyond the last
+            two.
+    """
+
+    def __init__(self, points: Sequence[tuple[int, float]]) -> None:
+        pts = [(int(t), float(c)) for t, c in points]
+        if len(pts) < 2 or pts[0][0] != 1:
+            raise ValueError(
+                f"verify costs need at least two (tokens, cost) points starting at 1 token, got {pts}; "
+                "e.g. ((1, 1.0), (8, 1.15), (16, 1.33))"
+            )
+        for (t0, _), (t1, _) in zip(pts, pts[1:]):
+            if t1 <= t0:
+                raise ValueError(f"verify cost token counts must increase strictly, got {t0} then {t1}")
+        for t, c in pts:
+            if not (math.isfinite(c) and c > 0):
+                raise ValueError(f"verify cost at {t} tokens must be a finite number > 0, got {c}")
+        # A forward over more tokens never costs less: a measured dip is timing noise.
+        costs = list(itertools.accumulate((c / pts[0][1] for _, c in pts), max))
+        self.points = tuple(pts)
+        self.tokens = [t for t, _ in pts]
+        self.costs = costs
+
+    @staticmethod
+    def parse(text: str) -> "VerifyCost":
+        """From ``"1:1,8:1.15,16:1.33"`` (tokens:cost pairs), the form the CLI takes."""
+        try:
+            pairs = [item.split(":") for item in text.split(",") if item.strip()]
+            points = [(int(t), float(c)) for t, c in pairs]
+        except ValueError:
+            raise ValueError(f"verify costs must look like '1:1,8:1.15,16:1.33' (tokens:cost pairs), got {text!r}")
+        return VerifyCost(points)
+
+    def __call__(self, tokens: int) -> float:
+        """Cost of a forward over ``tokens`` tokens, in one-token forwards."""
+        i = min(max(bisect.bisect_left(self.tokens, tokens), 1), len(self.tokens) - 1)
+        t0, t1, c0, c1 = self.tokens[i - 1], self.tokens[i], self.costs[i - 1], self.costs[i]
+        return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+
+    def best_width(self, node_scores: torch.Tensor, rate: float) -> int:
+        """The width ``w`` (root included, ``2 <= w <= n``) that maximises
+        ``T(w) - rate * cost(w)`` per request, from a ``[bs, n]`` tree's node scores
+        (column 0 the root; filler nodes score 0); the smallest such ``w`` on ties. (A
+        two-token verify costs what a one-token step does on every host measured, so the
+        root always keeps one node.)"""
+        bs, n = node_scores.shape
+        if n <= 2:
+            return n
+        best = node_scores[:, 1:].double().sort(dim=1, descending=True).values.cumsum(dim=1).sum(dim=0) / bs
+        unit = self(bs)
+        gains = [tokens - rate * self(bs * w) / unit for w, tokens in enumerate(best.tolist(), start=2)]
+        return 2 + max(range(len(gains)), key=lambda i: (gains[i], -i))

@@ -154,6 +154,27 @@ def graft(root_tokens: torch.Tensor, proposals: list[Candidates], num_nodes: int
     return GraftResult(tree, num_merged)
 
 
+def trim(tree: TokenTree, num_nodes: int) -> TokenTree:
+    """The best ``num_nodes`` nodes of ``tree`` (the root included) as a tree of their own.
+
+    The same selection as ``graft``'s (score desc, depth asc, then tree position, which
+    follows the original columns), so the kept nodes are ancestor-closed and every process
+    keeps the same ones; filler nodes never count.
+    """
+    if num_nodes >= tree.num_nodes:
+        return tree
+    body = slice(1, None)
+    nodes = Candidates(
+        tokens=tree.tokens[:, body],
+        parents=tree.parents[:, body] - 1,  # tree position 0 (the root) becomes -1
+        scores=tree.scores[:, body],
+        sources=tree.sources[:, body],
+        valid=tree.sources[:, body] != int(Source.FILLER),
+        bins=tree.bins[:, body],
+    )
+    return graft(tree.tokens[:, 0], [nodes], num_nodes).tree
+
+
 def _merge_duplicates(facts: PathFacts) -> tuple[torch.Tensor, torch.Tensor]:
     """``(canonical, merged_score)`` ``[bs, m]``: for each live column, the lowest live column
     with the same path hash, and the best ``min_score`` among them (dead columns: meaningless).

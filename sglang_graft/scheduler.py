@@ -29,8 +29,8 @@ import torch
 
 from sglang_graft.candidates import Candidates
 from sglang_graft.compiled import CompiledGate, CompiledRound
-from sglang_graft.cost import DepthBudget, DraftOrRetrieve, check_cost_ratio
-from sglang_graft.graft import GraftResult, graft
+from sglang_graft.cost import DepthBudget, DraftOrRetrieve, RoundRate, VerifyCost, check_cost_ratio
+from sglang_graft.graft import GraftResult, graft, trim
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
 from sglang_graft.tree import TokenTree
 
@@ -70,6 +70,13 @@ class SchedulerConfig:
         compile_core: build each round's tree, and the online gates' estimate and verdict after each
             draft level, with ``sglang_graft.compiled`` (the same code, compiled once per
             shape by AOTInductor) instead of eager PyTorch.
+        verify_costs: ``(tokens, cost)`` points of what a verify forward costs on this host
+            (``sglang_graft.cost.VerifyCost``). When set, every policy but ``dense`` (whose
+            tree is EAGLE's own, its scores uncalibrated) verifies only the best ``w <= n``
+            nodes of its tree, ``w`` chosen each round so that no slot costs more time than
+            its node is expected to give back; costs are then in one-token forwards, and
+            ``draft_cost_ratio`` is a draft forward over a one-token target forward. None:
+            every round verifies all ``n`` slots (a GPU's verify is flat in ``n``).
     """
 
     policy: str = "graft"
@@ -78,6 +85,7 @@ class SchedulerConfig:
     draft_cost_ratio: float | None = None
     draft_depth: int = 8
     compile_core: bool = False
+    verify_costs: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -85,6 +93,13 @@ class SchedulerConfig:
         if self.num_nodes < 2:
             raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {self.num_nodes}")
         check_cost_ratio(self.draft_cost_ratio)
+        if self.verify_costs is not None:
+            VerifyCost(self.verify_costs)  # raises on a malformed curve
+            if self.trims and self.uses_draft and self.draft_cost_ratio is None:
+                raise ValueError(
+                    f"policy {self.policy!r} with verify_costs needs draft_cost_ratio: the verify width "
+                    "weighs slots against the long-run rate, which counts draft forwards"
+                )
         if self.draft_depth < 1:
             raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
 
@@ -99,6 +114,11 @@ class SchedulerConfig:
     @property
     def uses_retrieval(self) -> bool:
         return self.policy in ("retrieval", "graft")
+
+    @property
+    def trims(self) -> bool:
+        """Whether rounds verify a cost-chosen width of the tree (see ``verify_costs``)."""
+        return self.verify_costs is not None and self.policy != "dense"
 
 
 class GraftScheduler:
@@ -119,6 +139,12 @@ class GraftScheduler:
         self.depth_budget = DepthBudget(config.draft_cost_ratio, config.draft_depth) if costed else None
         # Skipping the draft altogether needs retrieval to fill the tree instead: graft only.
         self.draft_gate = DraftOrRetrieve(config.draft_cost_ratio) if costed and config.uses_retrieval else None
+        self.verify_cost = VerifyCost(config.verify_costs) if config.verify_costs is not None else None
+        # The long-run rate R that verify widths are weighed against (shared with the draft
+        # gate when there is one; a policy without drafts never charges the ratio).
+        self.rate: RoundRate | None = None
+        if config.trims:
+            self.rate = self.draft_gate.rate if self.draft_gate is not None else RoundRate(config.draft_cost_ratio or 1.0)
         self.compiled: CompiledRound | None = None
         # Whatever computes the gates' estimates and verdicts: the pruner, or its compiled twin.
         self._gates: ConfidencePruner | CompiledGate = self.pruner
@@ -192,9 +218,14 @@ class GraftScheduler:
         drafts = drafts if self.config.uses_draft else None
         retrieved = retrieved if self.config.uses_retrieval else None
         if self.compiled is not None:
-            return self.compiled.bucketed(root_tokens, drafts, continues or [], retrieved, self.config.draft_depth)
-        pruner = self.pruner if self.config.uses_gates else None
-        return prune_and_graft(pruner, root_tokens, drafts, continues or [], retrieved, self.config.num_nodes)
+            result = self.compiled.bucketed(root_tokens, drafts, continues or [], retrieved, self.config.draft_depth)
+        else:
+            pruner = self.pruner if self.config.uses_gates else None
+            result = prune_and_graft(pruner, root_tokens, drafts, continues or [], retrieved, self.config.num_nodes)
+        if self.rate is None or self.verify_cost is None:
+            return result
+        width = self.verify_cost.best_width(result.tree.scores, self.rate.value)
+        return GraftResult(trim(result.tree, width), result.num_merged)
 
     def observe(
         self,
@@ -212,8 +243,15 @@ class GraftScheduler:
                 token recycling (None: recycling learns nothing this round).
             draft_forwards: draft forwards this round took (0 or None: it did not draft).
         """
+        tokens = float(accepted_mask.sum()) / max(accepted_mask.shape[0], 1)
+        verify_cost = 1.0
+        if self.verify_cost is not None:
+            bs = accepted_mask.shape[0]
+            verify_cost = self.verify_cost(bs * tree.num_nodes) / self.verify_cost(bs)
         if self.draft_gate is not None and draft_forwards is not None:
-            self.draft_gate.observe(float(accepted_mask.sum()) / max(accepted_mask.shape[0], 1), draft_forwards)
+            self.draft_gate.observe(tokens, draft_forwards, verify_cost)
+        elif self.rate is not None:
+            self.rate.observe(tokens, draft_forwards or 0, verify_cost)
         if self.config.uses_gates:
             self.pruner.observe(tree, accepted_mask)
         if self.retriever is not None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_graft.cost import DepthBudget, DraftOrRetrieve
+from sglang_graft.cost import DepthBudget, DraftOrRetrieve, VerifyCost
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 
 
@@ -25,6 +25,13 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
         (lambda: DraftOrRetrieve(0.3, ema=-0.1), "ema"),
         (lambda: DraftOrRetrieve(0.3, explore_every=0), "explore_every"),
         (lambda: DraftOrRetrieve(0.3, read_cost=-1.0), "read_cost"),
+        (lambda: VerifyCost([(2, 1.0), (8, 1.2)]), "starting at 1 token"),
+        (lambda: VerifyCost([(1, 1.0)]), "at least two"),
+        (lambda: VerifyCost([(1, 1.0), (8, 1.2), (8, 1.3)]), "increase strictly, got 8 then 8"),
+        (lambda: VerifyCost([(1, 1.0), (8, 0.0)]), "at 8 tokens must be a finite number > 0, got 0.0"),
+        (lambda: VerifyCost([(1, 1.0), (8, float("nan"))]), "finite"),
+        (lambda: VerifyCost.parse("1:1,8"), "tokens:cost pairs"),
+        (lambda: VerifyCost.parse("1:1,eight:2"), "tokens:cost pairs"),
     ],
 )
 def test_bad_settings_name_the_value(make, needle):
@@ -167,3 +174,79 @@ def test_skipped_draft_rounds_stay_lossless(pattern):
     assert [r.token_ids for r in out.requests] == [r.token_ids for r in ref.requests]
     rounds = out.requests[0].rounds
     assert 0 < out.requests[0].draft_forwards < rounds * 3  # some rounds drafted, some did not
+
+
+def test_verify_cost_is_relative_monotone_and_linear():
+    cost = VerifyCost.parse("1:150,2:120,8:180,16:240")
+    assert cost.points == ((1, 150.0), (2, 120.0), (8, 180.0), (16, 240.0))
+    assert cost(1) == 1.0
+    assert cost(2) == 1.0  # a dip below the one-token cost is noise: never cheaper than fewer tokens
+    assert cost(5) == pytest.approx(1.1)
+    assert cost(12) == pytest.approx(1.4)
+    assert cost(32) == pytest.approx(2.4)  # beyond the last point: the last segment's slope
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(2, 12),
+    st.floats(0.0, 6.0),
+    st.lists(st.floats(1.0, 3.0), min_size=3, max_size=3),
+    st.integers(0, 2**31 - 1),
+)
+def test_best_width_maximises_tokens_minus_rate_times_cost(bs, n, rate, costs, seed):
+    """Brute force over every width: the chosen one maximises the expected tokens of the
+    best w - 1 nodes per request minus ``rate`` times the batch's relative verify cost."""
+    curve = VerifyCost([(1, 1.0), (4, costs[0]), (16, costs[0] + costs[1]), (64, costs[0] + costs[1] + costs[2])])
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(bs, n, generator=gen) * (torch.rand(bs, n, generator=gen) > 0.3)
+    scores[:, 0] = 1.0
+    w = curve.best_width(scores, rate)
+
+    def objective(width: int) -> float:
+        kept = sum(float(row[1:].sort(descending=True).values[: width - 1].sum()) for row in scores) / bs
+        return kept - rate * curve(bs * width) / curve(bs)
+
+    values = {width: objective(width) for width in range(2, n + 1)}
+    assert 2 <= w <= n
+    assert values[w] >= max(values.values()) - 1e-9
+    assert all(values[k] < values[w] - 1e-9 for k in range(2, w)), "ties go to the narrower tree"
+
+
+def test_best_width_flat_cost_keeps_every_real_node_and_steep_cost_few():
+    scores = torch.tensor([[1.0, 0.9, 0.6, 0.3, 0.05, 0.0, 0.0, 0.0]])
+    assert VerifyCost([(1, 1.0), (64, 1.0)]).best_width(scores, rate=3.0) == 5  # the fillers go
+    steep = VerifyCost([(1, 1.0), (2, 1.0), (8, 2.2)])  # 0.2 per extra slot
+    assert steep.best_width(scores, rate=2.0) == 3  # 0.9 and 0.6 beat 0.4; 0.3 does not
+    assert steep.best_width(scores, rate=0.0) == 5
+
+
+def test_trimmed_trees_decode_like_plain_greedy():
+    """With a steep verify cost every policy but dense verifies fewer than n nodes in some
+    rounds, and still emits exactly plain greedy's tokens (float32 tiny models, bs 1 and 3)."""
+    torch.set_num_threads(1)
+    target, draft = tiny_models("qwen2", vocab_size=200, seed=1, hidden=32)
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18, 11, 12, 13, 14, 15, 16, 17, 18, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6], [42, 7]]
+    ref = [r.token_ids for r in SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 20).requests]
+    curve = ((1, 1.0), (2, 1.0), (4, 1.3), (16, 3.0))
+    for policy in ("pruned", "retrieval", "graft"):
+        config = EngineConfig(policy=policy, num_nodes=12, draft_depth=3, draft_topk=3, verify_costs=curve)
+        engine = SpecEngine(target, draft, config)
+        for batch in (prompts[:1], prompts):
+            out = engine.generate(batch, 20).requests
+            assert [r.token_ids for r in out] == ref[: len(batch)], f"{policy} bs={len(batch)} diverged from ar"
+            assert all(r.verify_tokens < 12 * r.rounds for r in out), f"{policy} never trimmed its tree"
+        assert sum(sum(r.accepted.values()) for r in out) > 0, f"{policy} accepted nothing: the test proves nothing"
+    dense = SpecEngine(target, draft, EngineConfig(policy="dense", num_nodes=12, draft_depth=3, verify_costs=curve))
+    out = dense.generate(prompts, 20).requests
+    assert all(r.verify_tokens == 12 * r.rounds for r in out), "dense keeps EAGLE's full tree"
+
+
+def test_verify_costs_need_a_draft_price_for_drafting_policies():
+    from sglang_graft.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="needs draft_cost_ratio"):
+        SchedulerConfig(policy="graft", verify_costs=((1, 1.0), (16, 1.3)))
+    SchedulerConfig(policy="retrieval", verify_costs=((1, 1.0), (16, 1.3)))  # nothing to price
+    with pytest.raises(ValueError, match="starting at 1 token"):
+        SchedulerConfig(policy="retrieval", verify_costs=((4, 1.0), (16, 1.3)))

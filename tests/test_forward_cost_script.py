@@ -43,3 +43,13 @@ def test_recommended_num_nodes_is_the_largest_count_within_the_slack():
     assert recommend({**measured, 32: 150.0}, 1.1) == 16
     assert recommend({**measured, 32: 150.0}, 1.05) == 8
     assert recommend({1: 100.0, 2: 180.0, 4: 300.0}, 1.1) == 2  # nothing fits: the smallest tree
+
+
+def test_verify_costs_flag_parses_back_into_the_measured_curve():
+    from sglang_graft.cost import VerifyCost
+
+    measured = {8: 179.4, 1: 156.0, 16: 208.25}
+    flag = _load().verify_costs_flag(measured)
+    assert flag == "1:156.0,8:179.4,16:208.2"
+    cost = VerifyCost.parse(flag)
+    assert cost(1) == 1.0 and cost(16) == 208.2 / 156.0

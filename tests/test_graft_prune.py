@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from helpers import simulate_eagle_draft
 from sglang_graft.calibration import AcceptanceCalibrator, confidence_bins
 from sglang_graft.candidates import Candidates, Source
-from sglang_graft.graft import graft, source_counts, summarise_paths
+from sglang_graft.graft import graft, source_counts, summarise_paths, trim
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
 from sglang_graft.tree import ancestor_mask, build_eagle_tree, eagle_candidates, pack, tree_from_selection
 
@@ -121,6 +121,36 @@ def test_graft_properties(bs, n, m_draft, m_retr, seed):
     again, _ = graft(roots, [drafts, retr], num_nodes=n)
     for name in ("tokens", "parents", "depths", "scores", "sources", "bins"):
         assert torch.equal(getattr(tree, name), getattr(again, name)), name
+
+
+def _scored_paths(tree, b):
+    """Root path -> score of request b's proposed nodes (the root and fillers left out)."""
+    nodes = zip(_paths(tree, b), tree.scores[b].tolist(), tree.sources[b].tolist())
+    return {path: score for path, score, src in nodes if path and src != Source.FILLER}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(3, 20), st.integers(0, 30), st.integers(0, 2**31 - 1), st.data())
+def test_trim_keeps_the_best_nodes_as_a_tree(bs, n, m, seed, data):
+    """``trim`` to width w keeps, per request, the real nodes of the w - 1 best root paths
+    (by score, then depth), as a valid tree whose paths were all in the original tree."""
+    gen = torch.Generator().manual_seed(seed)
+    c = _random_candidates(bs, m, 6, gen, Source.DRAFT) if m else Candidates.empty(bs)
+    roots = torch.randint(0, 6, (bs,), generator=gen)
+    tree, _ = graft(roots, [c], num_nodes=n)
+    w = data.draw(st.integers(2, n))
+    small = trim(tree, w)
+    small.validate(vocab_size=6)
+    assert small.tokens.shape == (bs, w)
+    assert torch.equal(small.tokens[:, 0], roots)
+    for b in range(bs):
+        before, after = _scored_paths(tree, b), _scored_paths(small, b)
+        assert after.items() <= before.items(), "trim may only keep paths (and scores) of the tree"
+        ranked = sorted(before.items(), key=lambda kv: (-kv[1], len(kv[0])))
+        want = dict(ranked[: w - 1])
+        assert sorted(after.values(), reverse=True) == sorted(want.values(), reverse=True)
+        assert len(after) == min(w - 1, len(before))
+    assert trim(tree, n) is tree
 
 
 def test_graft_selects_the_best_valid_paths():

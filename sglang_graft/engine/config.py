@@ -31,6 +31,10 @@ class EngineConfig:
             first forward (``engine.drafter``): the draft scores them, and drafts below
             them, at almost no extra cost. False: retrieval only fills the tree afterwards.
         compile_core: build trees with the AOTInductor-compiled core (``sglang_graft.compiled``).
+        verify_costs: ``(tokens, cost)`` points of a target forward's cost on this host, as
+            ``scripts/bench_forward_cost.py`` prints them: every policy but ``dense`` then
+            verifies only the tree width that pays (``SchedulerConfig.verify_costs``).
+            None: every round verifies all ``num_nodes``.
     """
 
     policy: str = "graft"
@@ -41,6 +45,7 @@ class EngineConfig:
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
     compile_core: bool = False
+    verify_costs: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ENGINE_POLICIES:
@@ -72,6 +77,7 @@ class EngineConfig:
             draft_cost_ratio=self.draft_cost_ratio,
             draft_depth=self.draft_depth,
             compile_core=self.compile_core,
+            verify_costs=self.verify_costs,
         )
 
 
