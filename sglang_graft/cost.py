@@ -157,7 +157,9 @@ class DraftOrRetrieve:
     itself checked against what retrieval-only rounds really yield: the prediction is
     scaled by ``realised / predicted`` over past skipped rounds. A drafted round yields
     what drafted rounds have been yielding (a running mean of tokens per round) for
-    ``forwards * draft_cost_ratio`` more units. A request drafts when those extra tokens
+    ``forwards * draft_cost_ratio`` more units, plus whatever its verify costs over a
+    retrieval-only round's (running means of both; nothing when every verify costs the
+    same, which it does unless ``VerifyCost`` trims trees). A request drafts when those extra tokens
     beat the long-run rate ``R`` times the extra cost (see the module docstring): copied
     spans (code, quotes, summaries of the prompt) run on retrieval alone, and so do the
     rounds between them where retrieval is dry for a moment, while open text drafts.
@@ -203,6 +205,10 @@ class DraftOrRetrieve:
         self.skipped_in_a_row = 0
         self.drafted_tokens: float | None = None  # tokens per drafted round (bonus included)
         self.drafted_forwards: float | None = None  # draft forwards per drafted round
+        # Verify cost of drafted and of retrieval-only rounds (1 and 1 unless the verify
+        # width varies: a drafted tree holds more nodes worth verifying, see VerifyCost).
+        self.drafted_verify = 1.0
+        self.skipped_verify = 1.0
         # Skipped rounds: predicted and realised tokens beyond the bonus, running sums
         # that start as one prior round where the prediction came true.
         self.skipped_predicted = 1.0
@@ -230,7 +236,8 @@ class DraftOrRetrieve:
         scores = torch.where(valid, retrieved_scores.float(), 0.0)
         predicted = scores.topk(min(slots, scores.shape[1]), dim=1).values.sum(dim=1)
         gain = self.drafted_tokens - (1.0 + self.realism * predicted)
-        draft = gain > self.rate.value * (self.drafted_forwards * self.ratio + charge)
+        extra_verify = max(self.drafted_verify - self.skipped_verify, 0.0)
+        draft = gain > self.rate.value * (self.drafted_forwards * self.ratio + extra_verify + charge)
         self._prediction = float(predicted.mean())
         if self.skipped_in_a_row >= self.explore_every:
             draft |= charge * self.explore_every < self.ratio
@@ -242,6 +249,10 @@ class DraftOrRetrieve:
         e = self.ema
         self.rate.observe(tokens_per_request, forwards, verify_cost)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if forwards == 0 else 0
+        if forwards == 0:
+            self.skipped_verify = e * self.skipped_verify + (1.0 - e) * verify_cost
+        else:
+            self.drafted_verify = e * self.drafted_verify + (1.0 - e) * verify_cost
         if forwards == 0:
             if self._prediction is not None:
                 self.skipped_predicted = e * self.skipped_predicted + (1.0 - e) * self._prediction

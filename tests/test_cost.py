@@ -109,6 +109,24 @@ def test_draft_or_retrieve_skips_a_dry_moment_of_a_fast_request():
     assert fast.wants_draft(dry, valid, 3).tolist() == [False]  # 1.5 < 4 * 0.5
 
 
+def test_draft_or_retrieve_charges_a_dearer_drafted_verify():
+    """With trimmed trees a drafted round also verifies more nodes: the difference between
+    the verify costs of drafted and retrieval-only rounds is charged like draft forwards."""
+    dry = torch.zeros(1, 4)
+    valid = torch.zeros(1, 4, dtype=torch.bool)
+    flat = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    dear = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    for gate, drafted_verify in ((flat, 1.0), (dear, 3.0)):
+        gate.observe(2.0, 1, verify_cost=drafted_verify)
+        gate.observe(2.0, 0, verify_cost=1.0)
+    assert dear.drafted_verify == pytest.approx(2.0) and dear.skipped_verify == pytest.approx(1.0)
+    # Both: drafted rounds yield 2 tokens, retrieval predicts nothing, so the draft adds 1
+    # token for 0.5 forward units: flat drafts (R = 1.75 / 1.125, 1 > 0.78); dear also pays
+    # 1 more verify unit and does not (R = 1.75 / 1.625, 1 < 1.08 * 1.5).
+    assert flat.wants_draft(dry, valid, 3).tolist() == [True]
+    assert dear.wants_draft(dry, valid, 3).tolist() == [False]
+
+
 def test_draft_or_retrieve_learns_when_retrieval_disappoints():
     gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
     valid = torch.ones(1, 2, dtype=torch.bool)
