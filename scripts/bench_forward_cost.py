@@ -26,28 +26,11 @@ Prints a table (median of --reps forwards after one warm-up); no assertions.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
-
-def forward_ms(model: torch.nn.Module, context: int, counts: list[int], reps: int, vocab: int) -> dict[int, float]:
-    """Median milliseconds of a forward over each of ``counts`` new tokens after ``context``
-    cached tokens, timed round-robin (one forward per count per rep, after one warm-up)."""
-    gen = torch.Generator().manual_seed(0)
-    times: dict[int, list[float]] = {q: [] for q in counts}
-    with torch.inference_mode():
-        cache = model(torch.randint(0, vocab, (1, context), generator=gen), use_cache=True).past_key_values
-        for _ in range(reps + 1):
-            for q in counts:
-                x = torch.randint(0, vocab, (1, q), generator=gen)
-                start = time.perf_counter()
-                model(x, past_key_values=cache, use_cache=True, logits_to_keep=q)
-                times[q].append(time.perf_counter() - start)
-                cache.crop(-q)
-    return {q: statistics.median(t[1:]) * 1e3 for q, t in times.items()}
+from sglang_graft.engine.forward_cost import forward_ms, verify_costs_flag
 
 
 def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
@@ -55,11 +38,6 @@ def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
     (2 if none does: speculation then has to win on acceptance alone)."""
     fits = [q for q, ms in target_ms.items() if q >= 2 and ms <= slack * target_ms[1]]
     return max(fits, default=2)
-
-
-def verify_costs_flag(target_ms: dict[int, float]) -> str:
-    """The measured target costs as ``--verify-costs`` takes them (``sglang_graft.cost.VerifyCost``)."""
-    return ",".join(f"{q}:{target_ms[q]:.1f}" for q in sorted(target_ms))
 
 
 def main() -> None:

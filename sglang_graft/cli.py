@@ -15,6 +15,7 @@ Heavy imports (transformers) happen only inside the subcommand that needs them, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -52,9 +53,11 @@ def _positive(kind: str):
     return parse
 
 
-def _verify_costs(text: str) -> tuple[tuple[int, float], ...]:
+def _verify_costs(text: str) -> tuple[tuple[int, float], ...] | str:
     from sglang_graft.cost import VerifyCost
 
+    if text == "auto":
+        return text  # measured once the target is loaded (_resolve_verify_costs)
     try:
         return VerifyCost.parse(text).points
     except ValueError as err:
@@ -81,12 +84,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "alone by the same measure (default: the two models' "
                         "weight-size ratio, which underestimates small drafts: measure it, e.g. 0.4 for the "
                         "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU)")
-    p.add_argument("--verify-costs", type=_verify_costs, default=None, metavar="T:C,...",
+    p.add_argument("--verify-costs", type=_verify_costs, default=None, metavar="T:C,...|auto",
                    help="what a target forward over T tokens costs on this host, e.g. '1:1,8:1.15,16:1.33' "
-                        "(scripts/bench_forward_cost.py prints it): pruned, retrieval and graft then verify only "
-                        "as many of their n nodes as are expected to pay for the extra verify time, and "
-                        "--draft-cost-ratio is read against a one-token target forward (default: every round "
-                        "verifies all n, right where a verify over n tokens costs what one token does)")
+                        "(scripts/bench_forward_cost.py prints it), or 'auto' to time it on the loaded target "
+                        "first (a few seconds; the log shows the values, pass them to reproduce a run): pruned, "
+                        "retrieval and graft then verify only as many of their n nodes as are expected to pay "
+                        "for the extra verify time, and --draft-cost-ratio is read against a one-token target "
+                        "forward (default: every round verifies all n, right where a verify over n tokens costs "
+                        "what one token does)")
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
@@ -166,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args: argparse.Namespace, policy: str):
+    """The engine settings from the flags (``--verify-costs auto`` still unmeasured: None)."""
     from sglang_graft.engine.config import EngineConfig
     from sglang_graft.prune import GateConfig
 
@@ -178,8 +184,17 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,
         compile_core=args.compile_core,
-        verify_costs=args.verify_costs,
+        verify_costs=None if args.verify_costs == "auto" else args.verify_costs,
     )
+
+
+def _resolve_verify_costs(args: argparse.Namespace, config, target):
+    """``config`` with ``--verify-costs auto`` measured on the loaded target."""
+    if args.verify_costs != "auto":
+        return config
+    from sglang_graft.engine.forward_cost import measure_verify_costs
+
+    return dataclasses.replace(config, verify_costs=measure_verify_costs(target, config.num_nodes))
 
 
 def default_dtype(target: str, device: str) -> str:
@@ -219,6 +234,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     texts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompts)
     pair, _ = _setup(args, config.uses_draft)
+    config = _resolve_verify_costs(args, config, pair.target)
     prompts = [encode_prompt(pair.tokenizer, t, chat=not args.no_chat_template) for t in texts]
     engine = SpecEngine(pair.target, pair.draft, config, stop_token_ids=pair.stop_token_ids)
     engine.check_prompts(prompts, args.max_new_tokens)
@@ -277,6 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions, args.per_category, categories)
     needs_draft = any(m in ("dense", "pruned", "graft", "hf-assisted") for m in methods)
     pair, dtype = _setup(args, needs_draft)
+    settings = dataclasses.replace(settings, engine=_resolve_verify_costs(args, engine_config, pair.target))
     start = time.perf_counter()
     run = run_bench(pair, questions, settings, chat=not args.no_chat_template, progress=True)
     results = summarise(run, bench_meta(pair, settings, args.questions, dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -74,6 +75,28 @@ def test_generate_errors(argv, message, capsys):
         base = ["generate", "--target", "tiny", "--prompt", "x"]
     assert main(base + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_verify_costs_auto_is_measured_on_the_target_and_lossless(capsys, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_graft")
+    common = [*TINY, "--prompt", "abcabcabc", "--max-new-tokens", "16", "--num-nodes", "8", "--json"]
+    assert main(["generate", *common, "--policy", "ar"]) == 0
+    ar = _json_line(capsys.readouterr().out)
+    assert main(["generate", *common, "--policy", "graft", "--verify-costs", "auto"]) == 0
+    graft = _json_line(capsys.readouterr().out)
+    assert graft["token_ids"] == ar["token_ids"]
+    assert 2 <= graft["verify_tokens_per_round"] <= 8
+    logged = [r.getMessage() for r in caplog.records if "verify costs measured" in r.getMessage()]
+    assert len(logged) == 1 and "--verify-costs 1:" in logged[0] and ",8:" in logged[0]
+
+
+def test_verify_costs_flag_errors_name_the_problem(capsys):
+    for bad, message in (("2:1,8:2", "starting at 1 token"), ("1:1,8", "tokens:cost pairs"), ("1:1,4:-2", "> 0")):
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", *TINY, "--prompt", "x", "--verify-costs", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--verify-costs:" in err and message in err
 
 
 def test_generate_needs_a_draft_for_draft_policies(capsys):

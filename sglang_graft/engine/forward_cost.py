@@ -1,0 +1,65 @@
+"""What a target forward over a few new tokens costs on this host, for ``--verify-costs``.
+
+A verify over ``n`` tokens costs what a one-token step does on a GPU and on some CPUs, and
+up to 1.3x more for 16 tokens on others (README, "Reference engine on real models"); the
+cost-aware verify width (``sglang_graft.cost.VerifyCost``) needs that curve. It is timed
+on the loaded model, round-robin over the token counts so that a host whose speed drifts
+slows them all alike; ``scripts/bench_forward_cost.py`` prints the same table for both
+models.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Token counts timed by ``measure_verify_costs`` (those up to the verify budget, plus it).
+_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def forward_ms(model: torch.nn.Module, context: int, counts: list[int], reps: int, vocab: int) -> dict[int, float]:
+    """Median milliseconds of a forward over each of ``counts`` new tokens after ``context``
+    cached tokens, timed round-robin (one forward per count per rep, after one warm-up)."""
+    gen = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    times: dict[int, list[float]] = {q: [] for q in counts}
+    with torch.inference_mode():
+        prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+        cache = model(prompt, use_cache=True).past_key_values
+        for _ in range(reps + 1):
+            for q in counts:
+                x = torch.randint(0, vocab, (1, q), generator=gen).to(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                model(x, past_key_values=cache, use_cache=True, logits_to_keep=q)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[q].append(time.perf_counter() - start)
+                cache.crop(-q)
+    return {q: statistics.median(t[1:]) * 1e3 for q, t in times.items()}
+
+
+def measure_verify_costs(model: torch.nn.Module, num_nodes: int, context: int = 256, reps: int = 3) -> tuple[tuple[int, float], ...]:
+    """``(tokens, ms)`` of the target's forwards up to ``num_nodes`` tokens, as
+    ``EngineConfig.verify_costs`` takes them (about ``reps + 1`` decode steps per count)."""
+    if num_nodes < 2:
+        raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {num_nodes}")
+    counts = sorted({q for q in _COUNTS if q <= num_nodes} | {num_nodes})
+    vocab = int(model.config.get_text_config().vocab_size)
+    ms = forward_ms(model, context, counts, reps, vocab)
+    logger.info(
+        "verify costs measured on this host (ms per target forward over T tokens): --verify-costs %s",
+        verify_costs_flag(ms),
+    )
+    return tuple((q, round(ms[q], 1)) for q in counts)
+
+
+def verify_costs_flag(target_ms: dict[int, float]) -> str:
+    """Measured milliseconds per token count as ``--verify-costs`` takes them."""
+    return ",".join(f"{q}:{target_ms[q]:.1f}" for q in sorted(target_ms))
