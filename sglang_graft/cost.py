@@ -251,17 +251,16 @@ class DraftOrRetrieve:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if forwards == 0 else 0
         if forwards == 0:
             self.skipped_verify = e * self.skipped_verify + (1.0 - e) * verify_cost
-        else:
-            self.drafted_verify = e * self.drafted_verify + (1.0 - e) * verify_cost
-        if forwards == 0:
             if self._prediction is not None:
                 self.skipped_predicted = e * self.skipped_predicted + (1.0 - e) * self._prediction
                 self.skipped_realised = e * self.skipped_realised + (1.0 - e) * (tokens_per_request - 1.0)
-        elif self.drafted_tokens is None or self.drafted_forwards is None:
-            self.drafted_tokens, self.drafted_forwards = float(tokens_per_request), float(forwards)
         else:
-            self.drafted_tokens = e * self.drafted_tokens + (1.0 - e) * tokens_per_request
-            self.drafted_forwards = e * self.drafted_forwards + (1.0 - e) * forwards
+            self.drafted_verify = e * self.drafted_verify + (1.0 - e) * verify_cost
+            if self.drafted_tokens is None or self.drafted_forwards is None:
+                self.drafted_tokens, self.drafted_forwards = float(tokens_per_request), float(forwards)
+            else:
+                self.drafted_tokens = e * self.drafted_tokens + (1.0 - e) * tokens_per_request
+                self.drafted_forwards = e * self.drafted_forwards + (1.0 - e) * forwards
         self._prediction = None
 
 
