@@ -75,7 +75,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="verify budget n: tree nodes incl. the root (default 16; scripts/bench_forward_cost.py measures the host's)",
     )
     p.add_argument("--draft-depth", type=int, default=4, help="most draft levels per round (default 4)")
-    p.add_argument("--draft-topk", type=int, default=8, help="children per expanded draft node (default 8)")
+    p.add_argument("--draft-topk", type=int, default=8,
+                   help="children per expanded draft node, and nodes expanded per level (default 8; where "
+                        "scripts/bench_forward_cost.py shows a draft forward over 8 tokens costing clearly more "
+                        "than over 4, try 4)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
                    help="draft forward time / target verify forward time (> 0). pruned and graft draft one "

@@ -20,9 +20,11 @@ class EngineConfig:
         policy: one of ``ENGINE_POLICIES``.
         num_nodes: verify budget ``n`` (tree nodes incl. the root) of every speculative policy.
         draft_depth: most draft levels per round.
-        draft_topk: children per expanded draft node and nodes expanded per level (8: a
-            draft forward over 8 rows costs what one over 4 does on the CPUs measured, and
-            the wider levels gave 2-3% more tokens per unit of model time; see README).
+        draft_topk: children per expanded draft node and nodes expanded per level (8: on
+            the Intel CPUs measured a draft forward over 8 rows costs what one over 4 does,
+            and the wider levels gave 2-3% more tokens per unit of model time; on an AMD
+            EPYC where 8 rows cost 18% more, 4 ran 8% faster: see README and
+            ``scripts/bench_forward_cost.py``'s draft column).
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
