@@ -323,6 +323,10 @@ class VerifyCost:
         t0, t1, c0, c1 = self.tokens[i - 1], self.tokens[i], self.costs[i - 1], self.costs[i]
         return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
 
+    def batch_cost(self, batch_size: int, width: int) -> float:
+        """A batch's verify over ``width`` tokens per request, in that batch's one-token steps."""
+        return self(batch_size * width) / self(batch_size)
+
     def best_width(self, node_scores: torch.Tensor, rate: float) -> int:
         """The width ``w`` (root included, ``2 <= w <= n``) that maximises
         ``T(w) - rate * cost(w)`` per request, from a ``[bs, n]`` tree's node scores
@@ -333,6 +337,5 @@ class VerifyCost:
         if n <= 2:
             return n
         best = node_scores[:, 1:].double().sort(dim=1, descending=True).values.cumsum(dim=1).sum(dim=0) / bs
-        unit = self(bs)
-        gains = [tokens - rate * self(bs * w) / unit for w, tokens in enumerate(best.tolist(), start=2)]
+        gains = [tokens - rate * self.batch_cost(bs, w) for w, tokens in enumerate(best.tolist(), start=2)]
         return 2 + max(range(len(gains)), key=lambda i: (gains[i], -i))

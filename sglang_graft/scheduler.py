@@ -246,8 +246,7 @@ class GraftScheduler:
         tokens = float(accepted_mask.sum()) / max(accepted_mask.shape[0], 1)
         verify_cost = 1.0
         if self.verify_cost is not None:
-            bs = accepted_mask.shape[0]
-            verify_cost = self.verify_cost(bs * tree.num_nodes) / self.verify_cost(bs)
+            verify_cost = self.verify_cost.batch_cost(accepted_mask.shape[0], tree.num_nodes)
         if self.draft_gate is not None and draft_forwards is not None:
             self.draft_gate.observe(tokens, draft_forwards, verify_cost)
         elif self.rate is not None:
