@@ -79,6 +79,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="children per expanded draft node, and nodes expanded per level (default 8; where "
                         "scripts/bench_forward_cost.py shows a draft forward over 8 tokens costing clearly more "
                         "than over 4, try 4)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="K",
+                   help="the draft's LM head computes only the K lowest token ids (the frequent ones, for "
+                        "byte-level BPE tokenizers) and the prompts' tokens: on CPU a quarter less time per "
+                        "forward of a 0.5B draft at 32768, lossless (the target still verifies every token); "
+                        "lower --draft-cost-ratio to match (default 0: the full head)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
                    help="draft forward time / target verify forward time (> 0). pruned and graft draft one "
@@ -183,6 +188,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         num_nodes=args.num_nodes,
         draft_depth=args.draft_depth,
         draft_topk=args.draft_topk,
+        draft_vocab=args.draft_vocab,
         gates=GateConfig(mode=args.gates),
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,

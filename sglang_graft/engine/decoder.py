@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from sglang_graft.candidates import SOURCE_NAMES, Source
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
+from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.drafter import Drafter, ModelDrafter
 from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
 from sglang_graft.engine.models import weight_cost_ratio
@@ -67,7 +68,8 @@ class SpecEngine:
         if config.uses_draft and draft is None:
             raise ValueError(f"policy {config.policy!r} needs a draft model")
         if draft is not None and config.draft_cost_ratio is None:
-            config = dataclasses.replace(config, draft_cost_ratio=weight_cost_ratio(draft, target))
+            ratio = weight_cost_ratio(draft, target, config.draft_vocab)
+            config = dataclasses.replace(config, draft_cost_ratio=ratio)
         self.target = target
         self.draft = draft
         self.config = config
@@ -161,9 +163,9 @@ class DecodeRun:
         self.drafter: Drafter | None = None
         if engine.config.uses_draft:
             assert engine.draft is not None
-            self.drafter = ModelDrafter(
-                engine.draft, engine.config.draft_topk, engine.config.draft_depth, engine.vocab_size, bs, device
-            )
+            c = engine.config
+            head = DraftHead(engine.draft, c.draft_vocab, prompts, engine.vocab_size) if c.draft_vocab else None
+            self.drafter = ModelDrafter(engine.draft, c.draft_topk, c.draft_depth, engine.vocab_size, bs, device, head)
         if engine.retriever is not None:
             for rid, p in zip(self.rids, prompts):
                 engine.retriever.start_request(rid, p)

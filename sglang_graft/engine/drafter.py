@@ -39,6 +39,7 @@ import torch
 
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.graft import summarise_paths
+from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.kv import PaddedKV, causal_block
 
 #: ``continues(depth, level_scores [bs, w]) -> [bs] bool``: may each request draft deeper.
@@ -71,6 +72,8 @@ class ModelDrafter:
         depth: most levels drafted per round.
         vocab_limit: the target's vocabulary size; draft logits beyond it are ignored.
         batch_size, device: of the batch being decoded.
+        head: an LM head over part of the vocabulary (``engine.draft_head``), or None for
+            the model's own.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class ModelDrafter:
         vocab_limit: int,
         batch_size: int,
         device: torch.device | str,
+        head: DraftHead | None = None,
     ) -> None:
         if topk < 1 or depth < 1:
             raise ValueError(f"draft topk and depth must be >= 1, got topk={topk}, depth={depth}")
@@ -88,6 +92,7 @@ class ModelDrafter:
         self.topk = topk
         self.depth = depth
         self.vocab_limit = vocab_limit
+        self.head = head
         self.kv = PaddedKV(batch_size, device)
         # Tree nodes fed last round, per forward: (tokens [bs, w] (-1: never to match),
         # parent fed index [bs, w] (-1: the root), depths [bs, w]). Their KV sits in the
@@ -169,7 +174,7 @@ class ModelDrafter:
             )
             positions = torch.cat([positions, positions[:, -1:] + seed.depths], dim=1)
             read = torch.cat([tokens, seed.tokens], dim=1)
-        logits = kv.forward(self.model, read, positions, block, logits_to_keep=r + 1)  # [root, seeds]
+        logits = kv.forward(self.model, read, positions, block, logits_to_keep=r + 1, head=self.head)  # [root, seeds]
         kv.valid[:, kv.width - q - r : kv.width - r] = valid
         kv.lengths = kv.lengths + valid.sum(dim=1)
         committed = kv.width - r
@@ -231,7 +236,7 @@ class ModelDrafter:
             prefix = torch.cat([kv.valid[:, :committed].unsqueeze(1).expand(bs, width, committed), rows], dim=2)
             eye = torch.eye(width, dtype=torch.bool, device=device).expand(bs, width, width)
             positions = kv.lengths.unsqueeze(1) + fed_depths - 1
-            logits = kv.forward(self.model, fed_tokens, positions, eye, prefix_mask=prefix)
+            logits = kv.forward(self.model, fed_tokens, positions, eye, prefix_mask=prefix, head=self.head)
             forwards += 1
             self._fed.append((torch.where(fed_valid, fed_tokens, -1), par, fed_depths))
             self._fed_depth = max(self._fed_depth, frontier_depth)

@@ -16,6 +16,8 @@ new tail is touched).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -46,6 +48,7 @@ class PaddedKV:
         block_mask: torch.Tensor,
         prefix_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run ``model`` on a block of ``q`` new tokens per row and append their KV.
 
@@ -55,6 +58,8 @@ class PaddedKV:
             block_mask: ``[bs, q, q]`` bool, which block tokens each block token sees.
             prefix_mask: ``[bs, q, L]`` bool over the cached columns (default: ``valid``).
             logits_to_keep: return logits for only the last that many tokens (0: all).
+            head: maps the decoder's final hidden states to logits instead of the
+                model's own LM head (``engine.draft_head.DraftHead``).
 
         The appended columns are marked invalid: the caller decides what survives through
         ``compact`` or ``commit``.
@@ -67,16 +72,20 @@ class PaddedKV:
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        out = model(
+        inputs = dict(
             input_ids=tokens,
             attention_mask=mask.unsqueeze(1),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=logits_to_keep,
         )
+        if head is None:
+            logits = model(**inputs, logits_to_keep=logits_to_keep).logits
+        else:
+            hidden = model.get_decoder()(**inputs).last_hidden_state
+            logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         self.valid = torch.cat([self.valid, torch.zeros(bs, q, dtype=torch.bool, device=tokens.device)], dim=1)
-        return out.logits
+        return logits
 
     def commit(self, keep: torch.Tensor) -> None:
         """Keep exactly the columns ``keep`` ``[bs, L]`` (old valid ones and chosen new ones).

@@ -118,8 +118,9 @@ def prepare_pair(target: str, draft: str | None, dtype: str = "float32", device:
     return ModelPair(t, d, tokenizer)
 
 
-def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:
-    """Draft / target bytes of matmul weights (every ``nn.Linear``, the LM head included).
+def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_vocab: int = 0) -> float:
+    """Draft / target bytes of matmul weights (every ``nn.Linear``, the LM head included;
+    with ``draft_vocab``, only that many rows of the draft's head, as ``DraftHead`` keeps).
 
     Decoding a few tokens streams every matmul weight once per forward, so this ratio is a
     deterministic first guess of the draft forward's cost relative to the target's; it
@@ -135,8 +136,13 @@ def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:
                 total += m.weight.numel() * m.weight.element_size()
         return total
 
+    draft_bytes = linear_bytes(draft)
+    head = draft.get_output_embeddings() if draft_vocab else None
+    if isinstance(head, torch.nn.Linear):
+        rows, cols = head.weight.shape
+        draft_bytes -= max(rows - draft_vocab, 0) * cols * head.weight.element_size()
     target_bytes = linear_bytes(target)
-    return linear_bytes(draft) / target_bytes if target_bytes else 1.0
+    return draft_bytes / target_bytes if target_bytes else 1.0
 
 
 def _load(path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:

@@ -1,0 +1,99 @@
+"""The draft head over part of the vocabulary (``--draft-vocab``).
+
+It must compute exactly the draft's own logits on the rows it keeps (the lowest ids and
+the prompts' tokens) and ``-inf`` elsewhere, so the draft never proposes another token;
+and, since the draft only proposes, every policy stays token-for-token equal to ``ar``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_graft.candidates import Source
+from sglang_graft.cli import main
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine.draft_head import DraftHead
+from sglang_graft.engine.drafter import ModelDrafter
+from sglang_graft.engine.models import weight_cost_ratio
+
+VOCAB = 200
+KEEP = 60
+PROMPTS = [[11, 12, 13, 150, 11, 12, 13, 150, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 181], [42, 7]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return tiny_models("qwen2", vocab_size=VOCAB, seed=1, hidden=32)
+
+
+def _always(depth: int, scores: torch.Tensor) -> torch.Tensor:
+    return torch.ones(scores.shape[0], dtype=torch.bool)
+
+
+def test_head_keeps_low_ids_and_prompt_tokens_with_the_models_own_logits(models):
+    _, draft = models
+    head = DraftHead(draft, KEEP, PROMPTS, VOCAB)
+    assert head.ids.tolist() == sorted(set(range(KEEP)) | {150, 181})
+    x = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        full = draft(x).logits
+        mine = head(draft.get_decoder()(x).last_hidden_state)
+    kept = torch.zeros(VOCAB, dtype=torch.bool)
+    kept[head.ids] = True
+    torch.testing.assert_close(mine[..., kept], full[..., kept])
+    assert bool(torch.isneginf(mine[..., ~kept]).all())
+
+
+def test_drafts_come_from_the_head_only(models):
+    _, draft = models
+    head = DraftHead(draft, KEEP, PROMPTS[:1], VOCAB)
+    drafter = ModelDrafter(draft, topk=4, depth=3, vocab_limit=VOCAB, batch_size=1, device="cpu", head=head)
+    tokens = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        out = drafter.draft(tokens, torch.ones_like(tokens, dtype=torch.bool), _always)
+    c = out.candidates
+    drafted = c.tokens[c.valid & (c.sources == int(Source.DRAFT))]
+    assert out.forwards == 3 and drafted.numel() >= 12
+    assert bool(torch.isin(drafted, head.ids).all())
+
+
+@pytest.mark.parametrize("policy", ["dense", "graft"])
+def test_policies_with_a_small_head_equal_ar(models, policy):
+    target, draft = models
+    ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, 24)
+    engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_vocab=KEEP))
+    outs = []
+    for p, r in zip(PROMPTS, ref.requests):
+        outs.append(engine.generate([p], 24).requests[0])
+        assert outs[-1].token_ids == r.token_ids
+    batch = engine.generate(PROMPTS, 24)
+    assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]
+    outs += batch.requests
+    assert sum(r.accepted["draft"] for r in outs) > 0, "no draft accepted: the test would prove nothing"
+
+
+def test_cost_ratio_counts_only_the_kept_head_rows(models):
+    target, draft = models
+    full = weight_cost_ratio(draft, target)
+    assert weight_cost_ratio(draft, target, KEEP) < full
+    assert weight_cost_ratio(draft, target, 10 * VOCAB) == full
+
+
+def test_bad_draft_vocab_is_refused(models, capsys):
+    _, draft = models
+    with pytest.raises(ValueError, match="draft_vocab must be >= 0"):
+        EngineConfig(policy="graft", draft_vocab=-1)
+    with pytest.raises(ValueError, match="must keep >= 1 token ids, got 0"):
+        DraftHead(draft, 0, PROMPTS, VOCAB)
+    original = draft.get_output_embeddings
+    draft.get_output_embeddings = lambda: torch.nn.Identity()
+    try:
+        with pytest.raises(ValueError, match="plain nn.Linear, got Identity"):
+            DraftHead(draft, KEEP, PROMPTS, VOCAB)
+    finally:
+        draft.get_output_embeddings = original
+    argv = ["generate", "--target", "tiny", "--draft", "tiny", "--prompt", "x", "--draft-vocab", "-5"]
+    assert main(argv) == 2
+    assert "draft_vocab must be >= 0 token ids (0: the full LM head), got -5" in capsys.readouterr().err
