@@ -30,6 +30,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
+from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.forward_cost import forward_ms, verify_costs_flag
 
 
@@ -54,6 +55,10 @@ def main() -> None:
     ap.add_argument(
         "--verify-tokens", type=int, default=None, help="n whose verify cost the ratio divides by (default: the recommended n)"
     )
+    ap.add_argument(
+        "--draft-vocab", type=int, default=0, metavar="K",
+        help="time the draft with its LM head cut to the K lowest token ids, as generate/bench --draft-vocab K runs it",
+    )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.threads:
@@ -61,15 +66,19 @@ def main() -> None:
     if not args.verify_slack >= 1.0:
         ap.error(f"--verify-slack must be >= 1.0 (a verify never costs less than a decode step), got {args.verify_slack}")
     counts = sorted({*map(int, args.tokens.split(",")), 1, *([args.verify_tokens] if args.verify_tokens else [])})
+    if args.draft_vocab < 0:
+        ap.error(f"--draft-vocab must be >= 0 token ids (0: the full head), got {args.draft_vocab}")
     if counts[0] < 1:
         ap.error(f"--tokens and --verify-tokens must be >= 1, got {counts[0]}")
     ms: dict[str, dict[int, float]] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         vocab = int(model.config.get_text_config().vocab_size)
-        ms[role] = forward_ms(model, args.context, counts, args.reps, vocab)
+        head = DraftHead(model, args.draft_vocab, [], vocab) if role == "draft" and args.draft_vocab else None
+        ms[role] = forward_ms(model, args.context, counts, args.reps, vocab, head)
         del model
-    print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context} (median ms per forward)")
+    head_note = f", draft head {args.draft_vocab} ids" if args.draft_vocab else ""
+    print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context}{head_note} (median ms per forward)")
     print(f"{'tokens':>7} {'target':>9} {'x 1-token':>10} {'draft':>9}")
     for q in counts:
         print(f"{q:>7} {ms['target'][q]:>9.0f} {ms['target'][q] / ms['target'][1]:>10.2f} {ms['draft'][q]:>9.0f}")

@@ -53,3 +53,20 @@ def test_verify_costs_flag_parses_back_into_the_measured_curve():
     assert flag == "1:156.0,8:179.4,16:208.2"
     cost = VerifyCost.parse(flag)
     assert cost(1) == 1.0 and cost(16) == 208.2 / 156.0
+
+
+def test_forward_ms_with_a_draft_head_times_the_cut_head():
+    from sglang_graft.engine.draft_head import DraftHead
+
+    _, draft = tiny_models("qwen2", vocab_size=100, seed=0, hidden=32)
+    head = DraftHead(draft, 10, [], 100)
+    shapes: list[tuple[int, ...]] = []
+
+    def counting(hidden: torch.Tensor) -> torch.Tensor:
+        logits = head(hidden)
+        shapes.append(tuple(logits.shape))
+        return logits
+
+    ms = _load().forward_ms(draft, context=12, counts=[1, 4], reps=2, vocab=100, head=counting)
+    assert set(ms) == {1, 4}
+    assert shapes == [(1, 1, 100), (1, 4, 100)] * 3  # warm-up + 2 reps, full-vocab logits from the cut head

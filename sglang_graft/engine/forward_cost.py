@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,9 +23,17 @@ logger = logging.getLogger(__name__)
 _COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
-def forward_ms(model: torch.nn.Module, context: int, counts: list[int], reps: int, vocab: int) -> dict[int, float]:
+def forward_ms(
+    model: torch.nn.Module,
+    context: int,
+    counts: list[int],
+    reps: int,
+    vocab: int,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[int, float]:
     """Median milliseconds of a forward over each of ``counts`` new tokens after ``context``
-    cached tokens, timed round-robin (one forward per count per rep, after one warm-up)."""
+    cached tokens, timed round-robin (one forward per count per rep, after one warm-up).
+    With ``head`` (a ``DraftHead``), the logits come from it instead of the model's own head."""
     gen = torch.Generator().manual_seed(0)
     device = next(model.parameters()).device
     times: dict[int, list[float]] = {q: [] for q in counts}
@@ -37,7 +46,10 @@ def forward_ms(model: torch.nn.Module, context: int, counts: list[int], reps: in
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                model(x, past_key_values=cache, use_cache=True, logits_to_keep=q)
+                if head is None:
+                    model(x, past_key_values=cache, use_cache=True, logits_to_keep=q)
+                else:
+                    head(model.get_decoder()(x, past_key_values=cache, use_cache=True).last_hidden_state)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[q].append(time.perf_counter() - start)
