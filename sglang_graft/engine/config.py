@@ -27,7 +27,7 @@ class EngineConfig:
             ``scripts/bench_forward_cost.py``'s draft column).
         draft_vocab: the draft's LM head computes only the rows of the ``draft_vocab``
             lowest token ids and of the batch's prompt tokens (``engine.draft_head``): a
-            quarter less time per draft forward for a 0.5B draft at 32768. 0: the full head.
+            fifth less time per draft forward for a 0.5B draft at 32768. 0: the full head.
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
