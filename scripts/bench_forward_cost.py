@@ -12,8 +12,9 @@ and dtypes, so measure them before choosing ``--num-nodes`` and ``--draft-cost-r
 The recommended ``--num-nodes`` is the largest measured count whose verify costs at most
 ``--verify-slack`` (default 1.1x) a one-token decode step: on the hosts measured so far
 that was 16 on two Intel Xeons with AMX (a 16-token forward cost what a 1-token one does,
-24 tokens 1.3x) and 8 on an AMD EPYC (16 tokens 1.18x). The counts are timed round-robin,
-so a host whose speed drifts between minutes slows them all alike.
+24 tokens 1.3x) and 8 on an AMD EPYC (16 tokens 1.18x). Both models stay loaded and every
+count of both is timed round-robin, so a host whose speed drifts between minutes slows
+them all alike (the draft/target ratio most of all needs that).
 
 It also prints the whole curve as ``--verify-costs``: with it, ``pruned``, ``retrieval``
 and ``graft`` choose each round's verify width themselves (up to ``--num-nodes``), keeping
@@ -31,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sglang_graft.engine.draft_head import DraftHead
-from sglang_graft.engine.forward_cost import forward_ms, verify_costs_flag
+from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, verify_costs_flag
 
 
 def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
@@ -70,13 +71,13 @@ def main() -> None:
         ap.error(f"--draft-vocab must be >= 0 token ids (0: the full head), got {args.draft_vocab}")
     if counts[0] < 1:
         ap.error(f"--tokens and --verify-tokens must be >= 1, got {counts[0]}")
-    ms: dict[str, dict[int, float]] = {}
+    timers: dict[str, ForwardTimer] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         vocab = int(model.config.get_text_config().vocab_size)
         head = DraftHead(model, args.draft_vocab, [], vocab) if role == "draft" and args.draft_vocab else None
-        ms[role] = forward_ms(model, args.context, counts, args.reps, vocab, head)
-        del model
+        timers[role] = ForwardTimer(model, args.context, vocab, head)
+    ms = interleaved_ms(timers, counts, args.reps)
     head_note = f", draft head {args.draft_vocab} ids" if args.draft_vocab else ""
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context}{head_note} (median ms per forward)")
     print(f"{'tokens':>7} {'target':>9} {'x 1-token':>10} {'draft':>9}")

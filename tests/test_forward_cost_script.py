@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from sglang_graft.engine import tiny_models
+from sglang_graft.engine.forward_cost import ForwardTimer, forward_ms, interleaved_ms
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_forward_cost.py"
 
@@ -31,7 +32,7 @@ def test_forward_ms_times_a_forward_on_a_fixed_context(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(target, "forward", spy)
-    ms = _load().forward_ms(target, context=12, counts=[1, 4], reps=3, vocab=100)
+    ms = forward_ms(target, context=12, counts=[1, 4], reps=3, vocab=100)
     assert set(ms) == {1, 4} and all(v > 0 for v in ms.values())
     assert lengths == [0] + [12] * 8  # prefill, then warm-up + 3 reps of both counts, each after 12 cached tokens
 
@@ -67,6 +68,24 @@ def test_forward_ms_with_a_draft_head_times_the_cut_head():
         shapes.append(tuple(logits.shape))
         return logits
 
-    ms = _load().forward_ms(draft, context=12, counts=[1, 4], reps=2, vocab=100, head=counting)
+    ms = forward_ms(draft, context=12, counts=[1, 4], reps=2, vocab=100, head=counting)
     assert set(ms) == {1, 4}
     assert shapes == [(1, 1, 100), (1, 4, 100)] * 3  # warm-up + 2 reps, full-vocab logits from the cut head
+
+
+def test_interleaved_ms_times_both_models_round_robin(monkeypatch):
+    """The script times the target and the draft in one loop, so drift hits both alike."""
+    target, draft = tiny_models("qwen2", vocab_size=100, seed=0, hidden=32)
+    order: list[tuple[str, int]] = []
+    timers = {"target": ForwardTimer(target, 12, 100), "draft": ForwardTimer(draft, 12, 100)}
+    for name, timer in timers.items():
+        original = timer.model.forward
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            order.append((_name, args[0].shape[1]))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(timer.model, "forward", spy)
+    ms = interleaved_ms(timers, [1, 4], reps=2)
+    assert set(ms) == {"target", "draft"} and all(set(v) == {1, 4} for v in ms.values())
+    assert order == [("target", 1), ("target", 4), ("draft", 1), ("draft", 4)] * 3

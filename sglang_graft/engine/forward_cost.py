@@ -23,6 +23,57 @@ logger = logging.getLogger(__name__)
 _COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
+class ForwardTimer:
+    """Times one model's forwards over a few new tokens after the same ``context`` cached
+    (random) tokens; with ``head`` (a ``DraftHead``) the logits come from it instead of the
+    model's own LM head."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        context: int,
+        vocab: int,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.model = model
+        self.vocab = vocab
+        self.head = head
+        self.device = next(model.parameters()).device
+        self.gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            prompt = torch.randint(0, vocab, (1, context), generator=self.gen).to(self.device)
+            self.cache = model(prompt, use_cache=True).past_key_values
+
+    @torch.inference_mode()
+    def seconds(self, q: int) -> float:
+        """One forward over ``q`` new tokens; the cache is cropped back afterwards."""
+        x = torch.randint(0, self.vocab, (1, q), generator=self.gen).to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        if self.head is None:
+            self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=q)
+        else:
+            self.head(self.model.get_decoder()(x, past_key_values=self.cache, use_cache=True).last_hidden_state)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.cache.crop(-q)
+        return elapsed
+
+
+def interleaved_ms(timers: dict[str, ForwardTimer], counts: list[int], reps: int) -> dict[str, dict[int, float]]:
+    """Median milliseconds per timer and count, timed round-robin over timers and counts
+    (one forward of each per rep, after one warm-up), so that a host whose speed drifts
+    between minutes slows every model and count alike."""
+    times: dict[str, dict[int, list[float]]] = {name: {q: [] for q in counts} for name in timers}
+    for _ in range(reps + 1):
+        for name, timer in timers.items():
+            for q in counts:
+                times[name][q].append(timer.seconds(q))
+    return {name: {q: statistics.median(t[1:]) * 1e3 for q, t in per.items()} for name, per in times.items()}
+
+
 def forward_ms(
     model: torch.nn.Module,
     context: int,
@@ -31,30 +82,9 @@ def forward_ms(
     vocab: int,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[int, float]:
-    """Median milliseconds of a forward over each of ``counts`` new tokens after ``context``
-    cached tokens, timed round-robin (one forward per count per rep, after one warm-up).
-    With ``head`` (a ``DraftHead``), the logits come from it instead of the model's own head."""
-    gen = torch.Generator().manual_seed(0)
-    device = next(model.parameters()).device
-    times: dict[int, list[float]] = {q: [] for q in counts}
-    with torch.inference_mode():
-        prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-        cache = model(prompt, use_cache=True).past_key_values
-        for _ in range(reps + 1):
-            for q in counts:
-                x = torch.randint(0, vocab, (1, q), generator=gen).to(device)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                if head is None:
-                    model(x, past_key_values=cache, use_cache=True, logits_to_keep=q)
-                else:
-                    head(model.get_decoder()(x, past_key_values=cache, use_cache=True).last_hidden_state)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[q].append(time.perf_counter() - start)
-                cache.crop(-q)
-    return {q: statistics.median(t[1:]) * 1e3 for q, t in times.items()}
+    """Median milliseconds of one model's forward over each of ``counts`` new tokens after
+    ``context`` cached tokens (``interleaved_ms`` of a single ``ForwardTimer``)."""
+    return interleaved_ms({"model": ForwardTimer(model, context, vocab, head)}, counts, reps)["model"]
 
 
 def measure_verify_costs(model: torch.nn.Module, num_nodes: int, context: int = 256, reps: int = 3) -> tuple[tuple[int, float], ...]:
