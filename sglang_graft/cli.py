@@ -84,6 +84,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "byte-level BPE tokenizers) and the prompts' tokens: on CPU a fifth less time per "
                         "forward of a 0.5B draft at 32768, lossless (the target still verifies every token); "
                         "lower --draft-cost-ratio to match (default 0: the full head)")
+    p.add_argument("--draft-window", type=int, default=0, metavar="N",
+                   help="the draft model reads only the last N tokens of each prompt, so its prefill stays "
+                        "cheap on long prompts (summaries, RAG) while the target and retrieval still see all "
+                        "of it; lossless (default 0: the whole prompt)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
                    help="draft forward time / target verify forward time (> 0). pruned and graft draft one "
@@ -189,6 +193,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_depth=args.draft_depth,
         draft_topk=args.draft_topk,
         draft_vocab=args.draft_vocab,
+        draft_window=args.draft_window,
         gates=GateConfig(mode=args.gates),
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,

@@ -193,6 +193,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_depth": settings.engine.draft_depth,
         "draft_topk": settings.engine.draft_topk,
         "draft_vocab": settings.engine.draft_vocab,
+        "draft_window": settings.engine.draft_window,
         "gates": settings.engine.gates.mode,
         "draft_cost_ratio": settings.engine.draft_cost_ratio,
         "seed_draft": settings.engine.seed_draft,

@@ -28,6 +28,10 @@ class EngineConfig:
         draft_vocab: the draft's LM head computes only the rows of the ``draft_vocab``
             lowest token ids and of the batch's prompt tokens (``engine.draft_head``): a
             fifth less time per draft forward for a 0.5B draft at 32768. 0: the full head.
+        draft_window: the draft model reads only the last ``draft_window`` tokens of each
+            prompt (its prefill then costs at most that many tokens' worth, however long
+            the prompt; it drafts from a fresh forward over that window, what StreamingLLM
+            calls a sliding window with re-computation). 0: the whole prompt.
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
@@ -47,6 +51,7 @@ class EngineConfig:
     draft_depth: int = 4
     draft_topk: int = 8
     draft_vocab: int = 0
+    draft_window: int = 0
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
@@ -62,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
         if self.draft_topk < 1:
             raise ValueError(f"draft_topk must be >= 1, got {self.draft_topk}")
+        if self.draft_window < 0:
+            raise ValueError(f"draft_window must be >= 0 prompt tokens (0: the whole prompt), got {self.draft_window}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 token ids (0: the full LM head), got {self.draft_vocab}")
         check_cost_ratio(self.draft_cost_ratio)

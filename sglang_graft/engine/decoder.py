@@ -172,7 +172,8 @@ class DecodeRun:
         self.roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=device)
         # Tokens the drafter has yet to read (right-aligned; the last is the root). It reads
         # the prompt lazily, at its first draft: rounds that skip drafting cost no draft prefill.
-        self.pending, self.pending_valid = left_pad(prompts, 0, device)
+        window = engine.config.draft_window
+        self.pending, self.pending_valid = left_pad([p[-window:] for p in prompts] if window else prompts, 0, device)
 
     @torch.inference_mode()
     def decode(self) -> None:

@@ -45,7 +45,8 @@ def markdown(results: dict) -> str:
         f"{meta['target']} ({meta['target_params'] / 1e9:.2f}B) + draft ({meta['draft_params'] / 1e9:.2f}B), "
         f"{meta['dtype']}, {meta['threads']} threads on {meta['device']}; {meta['max_new_tokens']} new tokens; "
         f"n={meta['num_nodes']}, draft depth {meta['draft_depth']}, topk {meta['draft_topk']}, "
-        f"draft vocab {meta.get('draft_vocab') or 'full'}, gates {meta['gates']}; "
+        f"draft vocab {meta.get('draft_vocab') or 'full'}, draft window {meta.get('draft_window') or 'full'}, "
+        f"gates {meta['gates']}; "
         f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
         "",
         "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | identical to ar | accepted by source |",

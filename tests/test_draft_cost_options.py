@@ -1,8 +1,10 @@
-"""The draft head over part of the vocabulary (``--draft-vocab``).
+"""What makes drafting cheaper: a head over part of the vocabulary (``--draft-vocab``) and
+a window over the prompt (``--draft-window``).
 
-It must compute exactly the draft's own logits on the rows it keeps (the lowest ids and
-the prompts' tokens) and ``-inf`` elsewhere, so the draft never proposes another token;
-and, since the draft only proposes, every policy stays token-for-token equal to ``ar``.
+The head must compute exactly the draft's own logits on the rows it keeps (the lowest ids
+and the prompts' tokens) and ``-inf`` elsewhere, so the draft never proposes another
+token; the window must cut what the draft reads. Since the draft only proposes, every
+policy stays token-for-token equal to ``ar`` either way.
 """
 
 from __future__ import annotations
@@ -97,3 +99,25 @@ def test_bad_draft_vocab_is_refused(models, capsys):
     argv = ["generate", "--target", "tiny", "--draft", "tiny", "--prompt", "x", "--draft-vocab", "-5"]
     assert main(argv) == 2
     assert "draft_vocab must be >= 0 token ids (0: the full LM head), got -5" in capsys.readouterr().err
+
+
+def test_draft_window_reads_only_the_prompts_tail_and_stays_lossless(models, monkeypatch):
+    """``draft_window``: the draft prefills only the last tokens of each prompt."""
+    target, draft = models
+    ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, 24)
+    widths: list[int] = []
+    original = draft.forward
+
+    def spy(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(draft, "forward", spy)
+    engine = SpecEngine(target, draft, EngineConfig(policy="dense", num_nodes=8, draft_depth=3, draft_topk=3, draft_window=4))
+    out = engine.generate([PROMPTS[1]], 24).requests[0]
+    assert widths[0] == 4  # the prompt holds 11 tokens; the first draft forward reads its last 4
+    assert out.token_ids == ref.requests[1].token_ids
+    batch = SpecEngine(target, draft, EngineConfig(policy="graft", num_nodes=8, draft_window=4)).generate(PROMPTS, 24)
+    assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]
+    with pytest.raises(ValueError, match="draft_window must be >= 0 prompt tokens"):
+        EngineConfig(policy="graft", draft_window=-1)
