@@ -85,9 +85,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "forward of a 0.5B draft at 32768, lossless (the target still verifies every token); "
                         "lower --draft-cost-ratio to match (default 0: the full head)")
     p.add_argument("--draft-window", type=int, default=0, metavar="N",
-                   help="the draft model reads only the last N tokens of each prompt, so its prefill stays "
-                        "cheap on long prompts (summaries, RAG) while the target and retrieval still see all "
-                        "of it; lossless (default 0: the whole prompt)")
+                   help="the draft model reads only the last N tokens of each prompt, which bounds its prefill "
+                        "on very long prompts while the target and retrieval still read all of it; lossless, but "
+                        "the draft loses what lies before the window (on Spec-Bench's 1-2k-token summaries that "
+                        "cost more than the prefill saved, README) (default 0: the whole prompt)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
                    help="draft forward time / target verify forward time (> 0). pruned and graft draft one "

@@ -31,7 +31,9 @@ class EngineConfig:
         draft_window: the draft model reads only the last ``draft_window`` tokens of each
             prompt (its prefill then costs at most that many tokens' worth, however long
             the prompt; it drafts from a fresh forward over that window, what StreamingLLM
-            calls a sliding window with re-computation). 0: the whole prompt.
+            calls a sliding window with re-computation), at the price of the draft not
+            seeing what lies before it (on Spec-Bench's summaries its tau dropped more than
+            the prefill saved). 0: the whole prompt.
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
