@@ -87,7 +87,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=0, metavar="N",
                    help="the draft model reads only the last N tokens of each prompt, which bounds its prefill "
                         "on very long prompts while the target and retrieval still read all of it; lossless, but "
-                        "the draft loses what lies before the window (on Spec-Bench's 1-2k-token summaries that "
+                        "the draft loses what lies before the window (on Spec-Bench's 600-800-token summaries that "
                         "cost more than the prefill saved, README) (default 0: the whole prompt)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
