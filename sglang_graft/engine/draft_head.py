@@ -3,8 +3,9 @@
 A small draft model spends much of each forward in its LM head: Qwen2.5-0.5B's is
 151,936 x 896 weights, about a fifth of every draft forward on 2 CPU cores (a forward over
 4 tokens: 54-59 ms with the full head, 45-47 ms with the 32,768 lowest ids, measured),
-yet the tokens it gets accepted come from a small part of the vocabulary. EAGLE-3 trains its draft head on a reduced vocabulary for this reason; this is
-the training-free version: the head keeps the rows of
+yet the tokens it gets accepted come from a small part of the vocabulary. EAGLE-3 trains
+its draft head on a reduced vocabulary for this reason; this is the training-free
+version: the head keeps the rows of
 
 * the ``keep`` lowest token ids: byte-level BPE tokenizers (Qwen, Llama 3, GPT-2 style)
   number tokens in merge order, so low ids are the frequent ones (on Spec-Bench's
@@ -56,11 +57,6 @@ class DraftHead:
         self.weight = head.weight.index_select(0, self.ids)
         self.bias = None if head.bias is None else head.bias.index_select(0, self.ids)
         self.vocab_size = head.weight.shape[0]
-
-    @property
-    def size(self) -> int:
-        """Rows the head computes."""
-        return int(self.ids.shape[0])
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., vocab]`` logits from the draft's final hidden states ``[..., hidden]``."""
