@@ -21,7 +21,8 @@ draft miscalibration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -63,3 +64,12 @@ class DraftHead:
         kept = torch.nn.functional.linear(hidden, self.weight, self.bias)
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.ids, kept)
+
+
+def decoder_logits(
+    model: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], logits_to_keep: int = 0, **inputs: Any
+) -> torch.Tensor:
+    """Logits of ``model``'s decoder (called with ``inputs``) through ``head`` instead of the
+    model's own LM head, for only the last ``logits_to_keep`` positions (0: all)."""
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    return head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from sglang_graft.engine.draft_head import decoder_logits
+
 logger = logging.getLogger(__name__)
 
 #: Token counts timed by ``measure_verify_costs`` (those up to the verify budget, plus it).
@@ -54,7 +56,7 @@ class ForwardTimer:
         if self.head is None:
             self.model(x, past_key_values=self.cache, use_cache=True, logits_to_keep=q)
         else:
-            self.head(self.model.get_decoder()(x, past_key_values=self.cache, use_cache=True).last_hidden_state)
+            decoder_logits(self.model, self.head, input_ids=x, past_key_values=self.cache, use_cache=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start

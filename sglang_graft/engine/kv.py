@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
+from sglang_graft.engine.draft_head import decoder_logits
+
 
 class PaddedKV:
     """The KV cache of one model for one batch of requests.
@@ -82,8 +84,7 @@ class PaddedKV:
         if head is None:
             logits = model(**inputs, logits_to_keep=logits_to_keep).logits
         else:
-            hidden = model.get_decoder()(**inputs).last_hidden_state
-            logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+            logits = decoder_logits(model, head, logits_to_keep, **inputs)
         self.valid = torch.cat([self.valid, torch.zeros(bs, q, dtype=torch.bool, device=tokens.device)], dim=1)
         return logits
 
