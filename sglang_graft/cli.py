@@ -108,6 +108,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
+    p.add_argument("--continue-drafts", type=int, default=4, metavar="K",
+                   help="graft: the request's own context continues the paths of its K best draft nodes where "
+                        "they match it for at least 4 tokens, so a copy the draft has begun runs deeper than the "
+                        "draft went, at no draft forward (0: off; default 4)")
     p.add_argument("--compile-core", action="store_true",
                    help="build each round's tree, and the online gates' estimate and verdict after each draft level, with "
                         "the AOTInductor-compiled core (sglang_graft.compiled): the same code in one native call "
@@ -198,6 +202,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         gates=GateConfig(mode=args.gates),
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,
+        continue_drafts=args.continue_drafts,
         compile_core=args.compile_core,
         verify_costs=None if args.verify_costs == "auto" else args.verify_costs,
     )

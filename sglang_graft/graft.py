@@ -163,8 +163,38 @@ def trim(tree: TokenTree, num_nodes: int) -> TokenTree:
     """
     if num_nodes >= tree.num_nodes:
         return tree
+    return graft(tree.tokens[:, 0], [_tree_nodes(tree)], num_nodes).tree
+
+
+def graft_below(tree: TokenTree, below: Candidates, num_nodes: int) -> GraftResult:
+    """Re-select ``tree`` with ``below``'s nodes hanging under its nodes (the context
+    continuations of draft paths, ``Retriever.propose_below``).
+
+    ``below.parents`` are tree positions: ``p < tree.num_nodes`` is that node of ``tree``
+    (``p >= 1``: the root's children are retrieval's to propose), ``p = tree.num_nodes + j``
+    is column ``j`` of ``below``. The same selection as ``graft``'s then keeps the best
+    ``num_nodes`` of both, merging a continuation that repeats a tree path into it.
+    """
+    if below.batch_size != tree.batch_size:
+        raise ValueError(f"below has batch size {below.batch_size}, the tree {tree.batch_size}")
+    nodes = _tree_nodes(tree)
+    # Tree position p is column p - 1 of the tree's nodes, and position n + j is column
+    # n - 1 + j of the two side by side: every parent is its position minus one.
+    both = Candidates(
+        tokens=torch.cat([nodes.tokens, below.tokens], dim=1),
+        parents=torch.cat([nodes.parents, below.parents - 1], dim=1),
+        scores=torch.cat([nodes.scores, below.scores.to(nodes.scores.dtype)], dim=1),
+        sources=torch.cat([nodes.sources, below.sources], dim=1),
+        valid=torch.cat([nodes.valid, below.valid], dim=1),
+        bins=torch.cat([nodes.bins, below.bins], dim=1),
+    )
+    return graft(tree.tokens[:, 0], [both], num_nodes)
+
+
+def _tree_nodes(tree: TokenTree) -> Candidates:
+    """A tree's nodes below the root as candidates (tree position ``p`` is column ``p - 1``)."""
     body = slice(1, None)
-    nodes = Candidates(
+    return Candidates(
         tokens=tree.tokens[:, body],
         parents=tree.parents[:, body] - 1,  # tree position 0 (the root) becomes -1
         scores=tree.scores[:, body],
@@ -172,7 +202,6 @@ def trim(tree: TokenTree, num_nodes: int) -> TokenTree:
         valid=tree.sources[:, body] != int(Source.FILLER),
         bins=tree.bins[:, body],
     )
-    return graft(tree.tokens[:, 0], [nodes], num_nodes).tree
 
 
 def _merge_duplicates(facts: PathFacts) -> tuple[torch.Tensor, torch.Tensor]:

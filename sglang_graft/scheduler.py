@@ -30,7 +30,7 @@ import torch
 from sglang_graft.candidates import Candidates
 from sglang_graft.compiled import CompiledGate, CompiledRound
 from sglang_graft.cost import DepthBudget, DraftOrRetrieve, RoundRate, VerifyCost, check_cost_ratio
-from sglang_graft.graft import GraftResult, graft, trim
+from sglang_graft.graft import GraftResult, graft, graft_below, trim
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
 from sglang_graft.tree import TokenTree
 
@@ -41,6 +41,8 @@ class RetrievalProposer(Protocol):
     """What the scheduler needs from ``sglang_graft.retrieval``."""
 
     def propose(self, rids: Sequence[str], budget: int) -> Candidates: ...
+
+    def propose_below(self, rids: Sequence[str], tree: TokenTree, anchors: int) -> Candidates | None: ...
 
     def observe(
         self,
@@ -77,6 +79,12 @@ class SchedulerConfig:
             its node is expected to give back; costs are then in one-token forwards, and
             ``draft_cost_ratio`` is a draft forward over a one-token target forward. None:
             every round verifies all ``n`` slots (a GPU's verify is flat in ``n``).
+        continue_drafts: ``graft`` only: in drafted rounds, the retriever continues the
+            paths of each request's ``continue_drafts`` best draft nodes from the request's
+            own context where they match it (``Retriever.propose_below``), and those
+            continuations compete for the tree's slots too; a copy the draft has begun
+            then runs deeper than the draft went. 0: off. It reads the tree back to the
+            host once per drafted round.
     """
 
     policy: str = "graft"
@@ -86,6 +94,7 @@ class SchedulerConfig:
     draft_depth: int = 8
     compile_core: bool = False
     verify_costs: tuple[tuple[int, float], ...] | None = None
+    continue_drafts: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -102,6 +111,8 @@ class SchedulerConfig:
                 )
         if self.draft_depth < 1:
             raise ValueError(f"draft_depth must be >= 1, got {self.draft_depth}")
+        if self.continue_drafts < 0:
+            raise ValueError(f"continue_drafts must be >= 0 draft nodes per request (0: off), got {self.continue_drafts}")
 
     @property
     def uses_draft(self) -> bool:
@@ -222,6 +233,12 @@ class GraftScheduler:
         else:
             pruner = self.pruner if self.config.uses_gates else None
             result = prune_and_graft(pruner, root_tokens, drafts, continues or [], retrieved, self.config.num_nodes)
+        if self.config.continue_drafts and drafts is not None and retrieved is not None:
+            assert self.retriever is not None
+            below = self.retriever.propose_below(rids, result.tree, self.config.continue_drafts)
+            if below is not None:
+                grown = graft_below(result.tree, below, self.config.num_nodes)
+                result = GraftResult(grown.tree, result.num_merged + grown.num_merged)
         if self.rate is None or self.verify_cost is None:
             return result
         width = self.verify_cost.best_width(result.tree.scores, self.rate.value)

@@ -197,6 +197,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "gates": settings.engine.gates.mode,
         "draft_cost_ratio": settings.engine.draft_cost_ratio,
         "seed_draft": settings.engine.seed_draft,
+        "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,
         "dtype": dtype,
         "tie_margin": settings.tie_margin,

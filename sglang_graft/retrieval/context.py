@@ -21,6 +21,7 @@ whole state is dropped when the request finishes or is aborted.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 from sglang_graft.retrieval.continuations import Occurrence
 from sglang_graft.retrieval.tokens import NgramKeys, common_suffix_length, dict_bytes
@@ -54,6 +55,10 @@ class TokenWindow:
 
     def occurrences(self, depth: int) -> list[Occurrence]:
         """A bare window indexes nothing, so it never proposes."""
+        return []
+
+    def occurrences_after(self, path: Sequence[int], depth: int, min_length: int) -> list[Occurrence]:
+        """Nor does it continue a draft path."""
         return []
 
     def memory_bytes(self) -> int:
@@ -130,11 +135,7 @@ class ContextIndex(TokenWindow):
             self.extend(kept)
 
     def occurrences(self, depth: int) -> list[Occurrence]:
-        """The longest (then latest) earlier matches of the current suffix, with ``depth`` tokens each.
-
-        A continuation that runs into the present repeats the span between the match and
-        now: if the text keeps copying itself, that is exactly what comes next.
-        """
+        """The longest (then latest) earlier matches of the current suffix, with ``depth`` tokens each."""
         tokens = self.tokens
         i = len(tokens) - 1
         if depth <= 0 or i < self._keys.n - 1:
@@ -153,13 +154,50 @@ class ContextIndex(TokenWindow):
         found.sort(key=lambda f: (-f[0], -f[1]))
         del found[self._max_occurrences :]
         self._best_len, self._best_end = found[0]
-        out = []
-        for length, e in found:
-            span = tokens[e + 1 : min(i + 1, e + 1 + depth)]
-            if len(span) < depth:
-                span = (span * (depth // len(span) + 1))[:depth]
-            out.append(Occurrence(length, span))
-        return out
+        return [Occurrence(length, self._continuation(e, (), depth)) for length, e in found]
+
+    def occurrences_after(self, path: Sequence[int], depth: int, min_length: int) -> list[Occurrence]:
+        """``occurrences`` of the suffix the sequence would have after ``path`` (a drafted
+        continuation of the current tokens), keeping matches of at least ``min_length``.
+
+        This is what lets retrieval continue a draft path: at the start of a copied span
+        the current suffix is new (its last token was just emitted), but a draft path that
+        has begun the copy already matches it, so what followed the copy's source is its
+        continuation. Nothing is indexed or carried forward: a path is only a guess.
+        """
+        tokens, keys = self.tokens, self._keys
+        if depth <= 0 or not path or len(tokens) + len(path) < keys.n:
+            return []
+        key = self._key
+        for t in path:
+            key = keys.roll(key, t)
+        # The suffix to match: enough real tokens for the longest match, then the path.
+        suffix = tokens[-self._max_match :] + array("q", path)
+        last = len(suffix) - 1
+        found: list[tuple[int, int]] = []
+        end = self._head.get(key, -1)
+        for _ in range(self._max_chain):
+            if end < 0:
+                break
+            length = common_suffix_length(suffix, last, tokens, end, keys.n, self._max_match)
+            if length >= min_length:
+                found.append((length, end))
+            end = self._prev[end]
+        found.sort(key=lambda f: (-f[0], -f[1]))
+        return [Occurrence(length, self._continuation(e, path, depth)) for length, e in found[: self._max_occurrences]]
+
+    def _continuation(self, end: int, path: Sequence[int], depth: int) -> array:
+        """The ``depth`` tokens after position ``end`` of the sequence ``tokens + path``.
+
+        A continuation that runs into the present repeats the span between the match and
+        now: if the text keeps copying itself, that is exactly what comes next.
+        """
+        span = self.tokens[end + 1 : end + 1 + depth]
+        if len(span) < depth and path:
+            span.extend(path[: depth - len(span)])
+        if len(span) < depth:
+            span = (span * (depth // len(span) + 1))[:depth]
+        return span
 
     def memory_bytes(self) -> int:
         """Tokens and chain links, plus the key dictionary (table and its int objects, estimated)."""

@@ -41,6 +41,7 @@ from sglang_graft.retrieval.recycling import RecycledNodes, RecycledPicks, Recyc
 from sglang_graft.retrieval.scoring import RETRIEVAL_SOURCES, RetrievalCalibration
 from sglang_graft.retrieval.selection import HostColumns, PackedCandidates, budget_list, select_top, select_top_host
 from sglang_graft.retrieval.tokens import TokenIds, check_id_range, check_integer_ids, tensor_bounds, token_array
+from sglang_graft.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class RetrieverConfig:
         max_chain: hash-chain links examined per context or history lookup.
         max_occurrences: matches merged into one context or history proposal.
         max_continuation: deepest context or history node.
+        below_min_match: ``propose_below`` continues a draft path only where the request's
+            tokens followed by that path match an earlier span for at least this many
+            tokens (shorter matches of a guessed path are too often chance).
         max_request_tokens: tokens kept per request (older halves are dropped beyond it).
         max_requests: open requests allowed at once (a leak guard: finish or abort them).
         history_max_tokens: token budget of the history index (LRU eviction beyond it).
@@ -84,6 +88,7 @@ class RetrieverConfig:
     max_chain: int = 8
     max_occurrences: int = 4
     max_continuation: int = 16
+    below_min_match: int = 4
     max_request_tokens: int = 1 << 20
     max_requests: int = 4096
     history_max_tokens: int = 1 << 22
@@ -96,7 +101,7 @@ class RetrieverConfig:
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
-        for name in ("context_ngram", "history_ngram", "max_continuation", "max_requests"):
+        for name in ("context_ngram", "history_ngram", "max_continuation", "max_requests", "below_min_match"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.host_loop_max_batch < 0:
@@ -232,6 +237,72 @@ class Retriever:
         out = select_top(packed, limit, top)
         self._proposed.scatter_add_(0, out.sources.view(-1), out.valid.view(-1).long())
         return out
+
+    def propose_below(self, rids: Sequence[Hashable], tree: TokenTree, anchors: int) -> Candidates | None:
+        """Context continuations below the best draft nodes of each request's ``tree``.
+
+        Retrieval proposes from the root, so at the start of a copied span (its first
+        token fresh, the suffix new) it has nothing, while the draft model, which reads the
+        context, often begins the copy. For each request, the ``anchors`` highest-scoring
+        draft nodes whose path, appended to the request's tokens, matches an earlier span
+        for at least ``below_min_match`` tokens get what followed that span, merged into a
+        subtree as ``propose`` does (``ContextIndex.occurrences_after``), each node scored
+        by the anchor's score times the context source's calibrated step rates.
+
+        Returns the nodes in ``graft.graft_below``'s terms (a parent below ``n`` is that
+        tree position, one at ``n + j`` is column ``j`` of this set; padding is invalid),
+        or None when no path continues. Host work: the tree is read back once.
+        """
+        if anchors < 1:
+            raise ValueError(f"anchors must be >= 1 draft node per request, got {anchors}")
+        if not self.config.context:
+            return None
+        reqs = [self._get(rid) for rid in rids]
+        n = tree.num_nodes
+        draft = int(Source.DRAFT)
+        rates: list[float] | None = None
+        rows: list[HostProposal] = []
+        for req, tokens, parents, sources, scores in zip(
+            reqs, *(t.tolist() for t in (tree.tokens, tree.parents, tree.sources, tree.scores))
+        ):
+            picks = sorted((i for i in range(1, n) if sources[i] == draft), key=lambda i: (-scores[i], i))[:anchors]
+            row = HostProposal([], [], [], [])
+            for anchor in picks:
+                path: list[int] = []
+                node = anchor
+                while node > 0:
+                    path.append(tokens[node])
+                    node = parents[node]
+                path.reverse()
+                found = req.window.occurrences_after(path, n - 1 - len(path), self.config.below_min_match)
+                if not found:
+                    continue
+                rates = rates or self.calibration.step_rates(Source.CONTEXT)
+                sub = continuation_tree(found, n - 1, rates)
+                first = n + len(row.tokens)
+                row.tokens.extend(sub.tokens)
+                row.parents.extend(anchor if p < 0 else first + p for p in sub.parents)
+                row.scores.extend(scores[anchor] * s for s in sub.scores)
+                row.bins.extend(sub.bins)
+            rows.append(row)
+        width = max(len(r.tokens) for r in rows)
+        if width == 0:
+            return None
+        pad = [width - len(r.tokens) for r in rows]
+        self._proposed[int(Source.CONTEXT)] += width * len(rows) - sum(pad)
+
+        def padded(values: list[list[float]] | list[list[int]], fill: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([v + [fill] * p for v, p in zip(values, pad)], dtype=dtype, device=self.device)
+
+        valid = padded([[True] * len(r.tokens) for r in rows], False, torch.bool)
+        return Candidates(
+            tokens=padded([r.tokens for r in rows], 0, torch.int64),
+            parents=padded([r.parents for r in rows], 0, torch.int64),
+            scores=padded([r.scores for r in rows], 0.0, torch.float32),
+            sources=torch.where(valid, int(Source.CONTEXT), int(Source.FILLER)),
+            valid=valid,
+            bins=padded([r.bins for r in rows], 0, torch.int64),
+        )
 
     def observe(
         self,
