@@ -108,10 +108,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
-    p.add_argument("--continue-drafts", type=int, default=4, metavar="K",
+    p.add_argument("--continue-drafts", type=int, default=0, metavar="K",
                    help="graft: the request's own context continues the paths of its K best draft nodes where "
                         "they match it for at least 4 tokens, so a copy the draft has begun runs deeper than the "
-                        "draft went, at no draft forward (0: off; default 4)")
+                        "draft went, at no draft forward; on CPU it made graft draft more on copy-heavy prompts "
+                        "than paid (README), so it is off by default (try 4)")
     p.add_argument("--compile-core", action="store_true",
                    help="build each round's tree, and the online gates' estimate and verdict after each draft level, with "
                         "the AOTInductor-compiled core (sglang_graft.compiled): the same code in one native call "

@@ -42,8 +42,10 @@ class EngineConfig:
             first forward (``engine.drafter``): the draft scores them, and drafts below
             them, at almost no extra cost. False: retrieval only fills the tree afterwards.
         continue_drafts: ``graft``: draft nodes per request whose paths the request's own
-            context continues where they match it (``SchedulerConfig.continue_drafts``; on
-            Spec-Bench's summaries, 13% more tokens per unit of model time). 0: off.
+            context continues where they match it (``SchedulerConfig.continue_drafts``).
+            0 (off) by default: on 18 Spec-Bench questions on a CPU, 4 made drafted rounds
+            look better to the draft-or-retrieve gate, which then drafted more on
+            copy-heavy prompts than the extra tokens paid for (README).
         compile_core: build trees with the AOTInductor-compiled core (``sglang_graft.compiled``).
         verify_costs: ``(tokens, cost)`` points of a target forward's cost on this host, as
             ``scripts/bench_forward_cost.py`` prints them: every policy but ``dense`` then
@@ -60,7 +62,7 @@ class EngineConfig:
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
-    continue_drafts: int = 4
+    continue_drafts: int = 0
     compile_core: bool = False
     verify_costs: tuple[tuple[int, float], ...] | None = None
 
