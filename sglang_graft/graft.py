@@ -183,7 +183,7 @@ def graft_below(tree: TokenTree, below: Candidates, num_nodes: int) -> GraftResu
     both = Candidates(
         tokens=torch.cat([nodes.tokens, below.tokens], dim=1),
         parents=torch.cat([nodes.parents, below.parents - 1], dim=1),
-        scores=torch.cat([nodes.scores, below.scores.to(nodes.scores.dtype)], dim=1),
+        scores=torch.cat([nodes.scores, below.scores], dim=1),
         sources=torch.cat([nodes.sources, below.sources], dim=1),
         valid=torch.cat([nodes.valid, below.valid], dim=1),
         bins=torch.cat([nodes.bins, below.bins], dim=1),

@@ -140,19 +140,12 @@ class ContextIndex(TokenWindow):
         i = len(tokens) - 1
         if depth <= 0 or i < self._keys.n - 1:
             return []
-        found: list[tuple[int, int]] = []  # (match length, end position)
-        end = self._prev[i]
-        for _ in range(self._max_chain):
-            if end < 0:
-                break
-            found.append((common_suffix_length(tokens, end, tokens, i, self._keys.n, self._max_match), end))
-            end = self._prev[end]
+        found = self._chain(tokens, i, self._prev[i])
         if self._best_end >= 0 and all(e != self._best_end for _, e in found):
             found.append((self._best_len, self._best_end))
         if not found:
             return []
-        found.sort(key=lambda f: (-f[0], -f[1]))
-        del found[self._max_occurrences :]
+        found = _longest_then_latest(found)[: self._max_occurrences]
         self._best_len, self._best_end = found[0]
         return [Occurrence(length, self._continuation(e, (), depth)) for length, e in found]
 
@@ -173,18 +166,20 @@ class ContextIndex(TokenWindow):
             key = keys.roll(key, t)
         # The suffix to match: enough real tokens for the longest match, then the path.
         suffix = tokens[-self._max_match :] + array("q", path)
-        last = len(suffix) - 1
+        found = [f for f in self._chain(suffix, len(suffix) - 1, self._head.get(key, -1)) if f[0] >= min_length]
+        found = _longest_then_latest(found)[: self._max_occurrences]
+        return [Occurrence(length, self._continuation(e, path, depth)) for length, e in found]
+
+    def _chain(self, suffix: array, last: int, end: int) -> list[tuple[int, int]]:
+        """``(match length, end position)`` of the earlier positions on the hash chain from
+        ``end``, at most ``max_chain`` links: how long ``suffix[: last + 1]`` matches there."""
         found: list[tuple[int, int]] = []
-        end = self._head.get(key, -1)
         for _ in range(self._max_chain):
             if end < 0:
                 break
-            length = common_suffix_length(suffix, last, tokens, end, keys.n, self._max_match)
-            if length >= min_length:
-                found.append((length, end))
+            found.append((common_suffix_length(suffix, last, self.tokens, end, self._keys.n, self._max_match), end))
             end = self._prev[end]
-        found.sort(key=lambda f: (-f[0], -f[1]))
-        return [Occurrence(length, self._continuation(e, path, depth)) for length, e in found[: self._max_occurrences]]
+        return found
 
     def _continuation(self, end: int, path: Sequence[int], depth: int) -> array:
         """The ``depth`` tokens after position ``end`` of the sequence ``tokens + path``.
@@ -202,3 +197,8 @@ class ContextIndex(TokenWindow):
     def memory_bytes(self) -> int:
         """Tokens and chain links, plus the key dictionary (table and its int objects, estimated)."""
         return super().memory_bytes() + self._prev.itemsize * len(self._prev) + dict_bytes(self._head)
+
+
+def _longest_then_latest(found: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(match length, end)`` pairs, longest match first, then latest."""
+    return sorted(found, key=lambda f: (-f[0], -f[1]))

@@ -260,7 +260,6 @@ class Retriever:
         reqs = [self._get(rid) for rid in rids]
         n = tree.num_nodes
         draft = int(Source.DRAFT)
-        rates: list[float] | None = None
         rows: list[HostProposal] = []
         for req, tokens, parents, sources, scores in zip(
             reqs, *(t.tolist() for t in (tree.tokens, tree.parents, tree.sources, tree.scores))
@@ -277,8 +276,7 @@ class Retriever:
                 found = req.window.occurrences_after(path, n - 1 - len(path), self.config.below_min_match)
                 if not found:
                     continue
-                rates = rates or self.calibration.step_rates(Source.CONTEXT)
-                sub = continuation_tree(found, n - 1, rates)
+                sub = continuation_tree(found, n - 1, self.calibration.step_rates(Source.CONTEXT))
                 first = n + len(row.tokens)
                 row.tokens.extend(sub.tokens)
                 row.parents.extend(anchor if p < 0 else first + p for p in sub.parents)
