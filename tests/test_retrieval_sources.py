@@ -203,15 +203,38 @@ def test_rounded_rates_stay_within_half_a_step(rates):
 )
 def test_reused_templates_follow_the_rounded_rates_exactly(base, moves):
     """Rates drifting by a few percent per round (so the template is sometimes reused,
-    sometimes rebuilt): every proposal is scored by exactly the current rounded rates."""
+    sometimes rebuilt): every proposal is scored by exactly the rounded rates of the last
+    rebuild, which happens when a rate has moved a whole step (1/32 of its log) away from
+    them, and at the rates of that round, rounded."""
     t = _table(10, 2, {0: [1, 2], 1: [3, 4], 2: [5, 6], 3: [7, 8]}, max_nodes=6, max_depth=2)
     rates = list(base)
+    built: list[float] | None = None
     for move in moves:
         rates = [min(1.0, max(0.01, r * (1 + m))) for r, m in zip(rates, move)]
+        # (The band's edge is narrowed by 1e-6 of a step, far above rounding error.)
+        if built is None or any(abs(math.log(r / q)) * 32 >= 1.0 - 1e-6 for r, q in zip(rates, built)):
+            built = rounded_rates(rates)
+        assert all(abs(math.log(r / q)) * 32 < 1.0 for r, q in zip(rates, built))
         c = t.propose(torch.tensor([0]), rates, 6)
-        q0, q1 = rounded_rates(rates)
+        q0, q1 = built
         want = sorted([q0, q1, q0 * q0, q0 * q1, q1 * q0, q1 * q1], reverse=True)
         assert c.scores[0].tolist() == pytest.approx(want, rel=1e-6)
+
+
+def test_template_is_kept_within_a_step_and_rebuilt_beyond_it():
+    """A rate 0.7 steps above its rounded rate keeps the template (plain rounding would
+    have moved it a step); 1.2 steps above rebuilds it at the new rounded rate."""
+    t = _table(10, 2, {0: [1, 2]}, max_nodes=2, max_depth=1)
+    q = rounded_rates([0.5])[0]
+    step = math.exp(1 / 32)
+
+    def first_score(rate: float) -> float:
+        return t.propose(torch.tensor([0]), [rate, 0.1], 1).scores[0, 0].item()
+
+    assert first_score(q) == pytest.approx(q, rel=1e-6)
+    assert first_score(q * step**0.7) == pytest.approx(q, rel=1e-6)
+    assert first_score(q / step**0.7) == pytest.approx(q, rel=1e-6)
+    assert first_score(q * step**1.2) == pytest.approx(q * step, rel=1e-6)
 
 
 def test_rank_template_is_best_first_and_topological():

@@ -11,8 +11,9 @@ currency: a node's score is the product of the calibrated step rates of the rank
 its path (rank 0 = the target's top-1), each rate rounded to ~3% (``rounded_rates``).
 Since the score depends only on the ranks, the best-first order over rank paths and the
 scores are computed once on the host (a lazy priority queue, ``rank_template``) and
-recomputed only when a rounded rate moves; each round then gathers the actual tokens
-level by level on the device, for the whole batch at once.
+recomputed only when a calibrated rate leaves the band around the rounded rate it was
+built for (``_KEEP_STEPS``); each round then gathers the actual tokens level by level on
+the device, for the whole batch at once.
 Successors the table does not know (never-seen tokens) drop out with their subtrees, and
 the final best-``budget`` selection takes the next-best existing nodes instead: the shape
 follows the table and the rates, not a fixed template.
@@ -115,6 +116,14 @@ def rank_template(rank_rates: Sequence[float], max_nodes: int, max_depth: int) -
 #: Rates are rounded to this many steps per unit of log: 1/32, about 3%.
 _STEPS_PER_LOG_UNIT = 32
 
+#: A built template is kept while every calibrated rate stays within this many steps of
+#: the rounded rate it was built for (so its scores are within about 3% of the calibrated
+#: ones), and rebuilt at the newly rounded rates when one leaves. A band of half a step
+#: (plain rounding) rebuilt it whenever a rate sat at a step edge: the rare-rank rates move
+#: a step with single acceptances, so 10-14% of rounds paid a rebuild (~100 us on a cold
+#: CPU cache, more than the rest of the round); one step cuts that several times over.
+_KEEP_STEPS = 1.0
+
 
 def _rate_steps(rank_rates: Sequence[float]) -> tuple[int, ...]:
     if min(rank_rates) < 0.0 or max(rank_rates) > 1.0:
@@ -131,8 +140,10 @@ def rounded_rates(rank_rates: Sequence[float]) -> list[float]:
     1/32 step of its log (about 3%; at least 1e-6).
 
     Calibrated rates are estimates noisier than that, and with rounded rates the best-first
-    template (its order and its scores) is a function of the rounded rates alone: it is
-    rebuilt when one of them changes, typically every few dozen rounds, not every round.
+    template (its order and its scores) is a function of the rounded rates alone. A
+    ``RecyclingTable`` builds it at the rounded rates and keeps it while the calibrated
+    rates stay within ``_KEEP_STEPS`` of them, so it is rebuilt every few dozen rounds,
+    not every round.
     """
     return _rates_of_steps(_rate_steps(rank_rates))
 
@@ -157,7 +168,7 @@ class RecycledPicks(NamedTuple):
 
 
 class _BuiltTemplate:
-    """A ``RankTemplate`` with what every round reuses until the rounded rates move: the
+    """A ``RankTemplate`` with what every round reuses until a rate leaves its band: the
     host scores and walk in selection order, and (built on first use: host loops never
     need them) the device index tensors, packed fields and scores."""
 
@@ -166,11 +177,13 @@ class _BuiltTemplate:
         self.key = key
         self.size = len(t.parents)
         self.device = device
-        # Rates strictly between these bounds (their step's edges, narrowed by a margin far
-        # above rounding error) round to ``key``, so they need no logarithms.
+        # Rates strictly between these bounds (``_KEEP_STEPS`` either side of ``key``,
+        # narrowed by a margin far above rounding error) keep the template; comparing with
+        # them needs no logarithms.
         margin = 1e-6
-        self.low = [math.exp((q - 0.5 + margin) / _STEPS_PER_LOG_UNIT) for q in key]
-        self.high = [min(math.exp((q + 0.5 - margin) / _STEPS_PER_LOG_UNIT), 1.0) for q in key]
+        band = _KEEP_STEPS - margin
+        self.low = [math.exp((q - band) / _STEPS_PER_LOG_UNIT) for q in key]
+        self.high = [math.exp((q + band) / _STEPS_PER_LOG_UNIT) for q in key]  # above 1 for q = 0: rates are <= 1
         # Host loops: the scores as float32 values and the nodes in select_top's order.
         self.scores32: list[float] = array("f", t.scores).tolist()
         order = sorted(range(self.size), key=self.scores32.__getitem__, reverse=True)
@@ -409,13 +422,14 @@ class RecyclingTable:
         return select_top(self.expand(roots.long(), rank_rates), budget, width)
 
     def _built_template(self, rank_rates: Sequence[float]) -> _BuiltTemplate:
-        """The template for these rates rounded (``rounded_rates``), rebuilt only when a
-        rounded rate changes."""
+        """The template built at the rounded rates of the last rebuild, rebuilt at these
+        rates rounded (``rounded_rates``) when one of them has left its band
+        (``_KEEP_STEPS`` either side of its rounded rate)."""
         if len(rank_rates) != self.k:
             raise ValueError(f"rank_rates must have k={self.k} entries, got {len(rank_rates)}")
         built = self._template
         if built is not None and all(lo < r < hi for lo, r, hi in zip(built.low, rank_rates, built.high)):
-            return built  # every rate is safely inside its current step: same key, no logs
+            return built  # every rate is safely inside its band: same template, no logs
         key = _rate_steps(rank_rates)
         if built is None or built.key != key:
             t = rank_template(_rates_of_steps(key), self.max_nodes, self.max_depth)
