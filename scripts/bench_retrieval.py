@@ -11,7 +11,7 @@ microseconds per request per round of each call, their sum (``total``), and the 
 per-round sums (``mean``: it also counts the rare slow rounds, such as a rebuilt recycling
 template, that throughput pays and medians hide).
 
-    python scripts/bench_retrieval.py                      # the default grid (well under 2 minutes)
+    python scripts/bench_retrieval.py                      # the default grid (a few minutes)
     python scripts/bench_retrieval.py --bs 1 --context 32768 --history 0 1000000
 """
 
@@ -174,7 +174,13 @@ def main() -> None:
     ap.add_argument("--history", type=int, nargs="+", default=[0, 1_000_000], help="history sizes (tokens)")
     ap.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen3 by default)")
     ap.add_argument("--budget", type=int, default=16, help="nodes proposed per request per round")
-    ap.add_argument("--rounds", type=int, default=200, help="timed rounds per configuration")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1000,
+        help="timed rounds per configuration (enough that every row meets copied spans: with 200, a "
+        "seed can land in a stretch of fresh tokens where nothing is proposed and the row times idle rounds)",
+    )
     ap.add_argument("--warmup", type=int, default=20, help="untimed rounds first")
     ap.add_argument(
         "--threads",
@@ -191,6 +197,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    for name, low in (("rounds", 1), ("warmup", 0), ("budget", 1), ("vocab", 2)):
+        if getattr(args, name) < low:
+            ap.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    for name, low in (("bs", 1), ("context", 1), ("history", 0)):
+        bad = [v for v in getattr(args, name) if v < low]
+        if bad:
+            ap.error(f"--{name} values must be >= {low}, got {bad}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -234,6 +247,8 @@ def main() -> None:
                     f" {s['mem_history'] / 2**20:>9.2f}",
                     flush=True,
                 )
+                if s["tau"] == 1.0:
+                    print("    (nothing was accepted in this row: its rounds timed idle lookups; raise --rounds)")
         if hist:
             print(f"    (history of {hist} tokens filled in {fill_s:.1f} s)")
     print(f"{yardsticks()} (again, after the grid)")

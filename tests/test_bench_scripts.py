@@ -32,6 +32,14 @@ def test_bench_retrieval_prints_a_row_per_configuration_on_both_paths():
     assert "host loops up to bs=1" in out and "Python loop step" in out
 
 
+def test_bench_retrieval_rejects_bad_sizes_by_name():
+    for args, needle in ((["--rounds", "0"], "--rounds must be >= 1, got 0"), (["--bs", "1", "0"], "--bs values")):
+        run = subprocess.run(
+            [sys.executable, str(SCRIPTS / "bench_retrieval.py"), *args], capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 2 and needle in run.stderr
+
+
 def test_bench_core_prints_the_round_columns():
     out = _run("bench_core.py", "--batch-sizes", "1", "--budgets", "8", "--reps", "1", "--warmup", "0", "--threads", "1")
     assert "gates..pack" in out.splitlines()[-2]
