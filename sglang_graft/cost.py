@@ -289,6 +289,11 @@ class VerifyCost:
     """
 
     def __init__(self, points: Sequence[tuple[int, float]]) -> None:
+        if isinstance(points, str):
+            raise ValueError(
+                f"verify costs must be (tokens, cost) pairs, got the string {points!r}; "
+                "parse the text form with VerifyCost.parse(text).points"
+            )
         pts = [(int(t), float(c)) for t, c in points]
         if len(pts) < 2 or pts[0][0] != 1:
             raise ValueError(

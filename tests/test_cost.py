@@ -31,6 +31,7 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
         (lambda: VerifyCost([(1, 1.0), (8, 0.0)]), "at 8 tokens must be a finite number > 0, got 0.0"),
         (lambda: VerifyCost([(1, 1.0), (8, float("nan"))]), "finite"),
         (lambda: VerifyCost.parse("1:1,8"), "tokens:cost pairs"),
+        (lambda: VerifyCost("1:1,8:1.2"), "VerifyCost.parse"),
         (lambda: VerifyCost.parse("1:1,eight:2"), "tokens:cost pairs"),
     ],
 )
