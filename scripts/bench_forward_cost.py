@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sglang_graft.engine.draft_head import DraftHead
+from sglang_graft.engine.draft_int8 import int8_draft
 from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, verify_costs_flag
 
 
@@ -60,6 +61,10 @@ def main() -> None:
         "--draft-vocab", type=int, default=0, metavar="K",
         help="time the draft with its LM head cut to the K lowest token ids, as generate/bench --draft-vocab K runs it",
     )
+    ap.add_argument(
+        "--draft-int8", action="store_true",
+        help="time the draft as generate/bench --draft-int8 runs it (dynamic int8 matmuls, CPU)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.threads:
@@ -74,11 +79,14 @@ def main() -> None:
     timers: dict[str, ForwardTimer] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        if role == "draft" and args.draft_int8:
+            model = int8_draft(model)
         vocab = int(model.config.get_text_config().vocab_size)
         head = DraftHead(model, args.draft_vocab, [], vocab) if role == "draft" and args.draft_vocab else None
         timers[role] = ForwardTimer(model, args.context, vocab, head)
     ms = interleaved_ms(timers, counts, args.reps)
     head_note = f", draft head {args.draft_vocab} ids" if args.draft_vocab else ""
+    head_note += ", int8 draft" if args.draft_int8 else ""
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context}{head_note} (median ms per forward)")
     print(f"{'tokens':>7} {'target':>9} {'x 1-token':>10} {'draft':>9}")
     for q in counts:

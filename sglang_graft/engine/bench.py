@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from sglang_graft.engine.baselines import BASELINES, HFBaseline
 from sglang_graft.engine.config import ENGINE_POLICIES, EngineConfig
 from sglang_graft.engine.decoder import SpecEngine
+from sglang_graft.engine.draft_int8 import int8_draft
 from sglang_graft.engine.models import ModelPair
 from sglang_graft.engine.outputs import RequestOutput, Totals
 from sglang_graft.engine.prompts import Question, encode_prompt
@@ -100,10 +101,19 @@ def run_bench(
 ) -> BenchRun:
     """Run every method on every question (first turn), interleaved per prompt."""
     prompts = [encode_prompt(pair.tokenizer, q.text, chat) for q in questions]
-    warm = [_Method(m, pair, settings) for m in settings.methods]
+    # With --draft-int8 our policies share one quantized draft; transformers' baselines keep
+    # the loaded one (they are what a user would run today).
+    ours = pair
+    if settings.engine.draft_int8 and pair.draft is not None:
+        ours = dataclasses.replace(pair, draft=int8_draft(pair.draft))
+
+    def method(name: str) -> _Method:
+        return _Method(name, pair if name in BASELINES else ours, settings)
+
+    warm = [method(m) for m in settings.methods]
     for m in warm:
         m.run(prompts[0], min(8, settings.max_new_tokens))
-    methods = [_Method(m, pair, settings) for m in settings.methods]
+    methods = [method(m) for m in settings.methods]
     run = BenchRun(settings, {m.name: [] for m in methods})
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
     for i, (q, p) in enumerate(zip(questions, prompts)):

@@ -34,6 +34,11 @@ class EngineConfig:
             calls a sliding window with re-computation), at the price of the draft not
             seeing what lies before it (on Spec-Bench's summaries its tau dropped more than
             the prefill saved). 0: the whole prompt.
+        draft_int8: run the draft model's matmuls as dynamic int8 on the CPU, the MLP
+            output projections and the LM head excepted (``engine.draft_int8``): about half
+            the time per draft forward for a 0.5B draft on 2 cores, with the same top-1
+            agreement with the target. Lossless either way (the target verifies); the
+            engine quantizes a copy, the loaded draft is left as it was.
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
@@ -59,6 +64,7 @@ class EngineConfig:
     draft_topk: int = 8
     draft_vocab: int = 0
     draft_window: int = 0
+    draft_int8: bool = False
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     seed_draft: bool = True

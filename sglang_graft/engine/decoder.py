@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from sglang_graft.candidates import SOURCE_NAMES, Source
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.draft_head import DraftHead
+from sglang_graft.engine.draft_int8 import int8_draft
 from sglang_graft.engine.drafter import Drafter, ModelDrafter
 from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
 from sglang_graft.engine.models import weight_cost_ratio
@@ -67,6 +68,8 @@ class SpecEngine:
     ) -> None:
         if config.uses_draft and draft is None:
             raise ValueError(f"policy {config.policy!r} needs a draft model")
+        if draft is not None and config.draft_int8 and config.uses_draft:
+            draft = int8_draft(draft)
         if draft is not None and config.draft_cost_ratio is None:
             ratio = weight_cost_ratio(draft, target, config.draft_vocab)
             config = dataclasses.replace(config, draft_cost_ratio=ratio)

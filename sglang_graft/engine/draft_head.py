@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from sglang_graft.engine.draft_int8 import CastLinear
+
 
 class DraftHead:
     """The draft's LM head restricted to ``ids``; logits come back over the full vocabulary
@@ -42,7 +44,7 @@ class DraftHead:
         if keep < 1:
             raise ValueError(f"draft vocabulary must keep >= 1 token ids, got {keep}")
         head = model.get_output_embeddings()
-        if type(head) is not torch.nn.Linear:
+        if type(head) not in (torch.nn.Linear, CastLinear):
             raise ValueError(
                 f"--draft-vocab needs a draft whose LM head is a plain nn.Linear, got {type(head).__name__}; "
                 "leave --draft-vocab out for this draft"
@@ -60,8 +62,9 @@ class DraftHead:
         self.vocab_size = head.weight.shape[0]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., vocab]`` logits from the draft's final hidden states ``[..., hidden]``."""
-        kept = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        """``[..., vocab]`` logits from the draft's final hidden states ``[..., hidden]``, in
+        the head's dtype (an ``int8_draft``'s hidden states are float32, its head is not)."""
+        kept = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.ids, kept)
 

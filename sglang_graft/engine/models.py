@@ -119,7 +119,7 @@ def prepare_pair(target: str, draft: str | None, dtype: str = "float32", device:
 
 
 def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_vocab: int = 0) -> float:
-    """Draft / target bytes of matmul weights (every ``nn.Linear``, the LM head included;
+    """Draft / target bytes of matmul weights (every ``nn.Linear`` and int8 linear, the LM head included;
     with ``draft_vocab``, only that many rows of the draft's head, as ``DraftHead`` keeps).
 
     Decoding a few tokens streams every matmul weight once per forward, so this ratio is a
@@ -134,6 +134,8 @@ def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_voc
             if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
                 seen.add(id(m.weight))
                 total += m.weight.numel() * m.weight.element_size()
+            elif isinstance(m, torch.ao.nn.quantized.dynamic.Linear):  # an ``int8_draft``'s
+                total += m.weight().numel()  # one byte per int8 weight
         return total
 
     draft_bytes = linear_bytes(draft)
