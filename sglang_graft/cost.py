@@ -156,14 +156,18 @@ class DraftOrRetrieve:
     per-node estimates are learned in rounds where drafts sit beside them, so the sum is
     itself checked against what retrieval-only rounds really yield: the prediction is
     scaled by ``realised / predicted`` over past skipped rounds. A drafted round yields
-    what drafted rounds have been yielding (a running mean of tokens per round) for
+    what drafted rounds have been yielding (an exponentially weighted mean of tokens per
+    round that weighs the first rounds like the rest: an average seeded with its first
+    sample would hold an unlucky first round, say the bonus token alone, at ten rounds'
+    weight, and drafting stayed off for most of a 128-token answer the draft could follow) for
     ``forwards * draft_cost_ratio`` more units, plus whatever its verify costs over a
     retrieval-only round's (running means of both; nothing when every verify costs the
     same, which it does unless ``VerifyCost`` trims trees). A request drafts when those extra tokens
     beat the long-run rate ``R`` times the extra cost (see the module docstring): copied
     spans (code, quotes, summaries of the prompt) run on retrieval alone, and so do the
     rounds between them where retrieval is dry for a moment, while open text drafts.
-    Until the first drafted round is observed every request drafts, and after
+    Until ``warmup`` drafted rounds are observed every request drafts (one round is a
+    poor sample: the first token of an answer is often one the draft misses), and after
     ``explore_every`` retrieval-only rounds in a row the batch drafts once, so the drafted
     yield is measured again: one bad stretch (a warm-up, a request the draft could not
     follow) cannot lock drafting out for good.
@@ -182,13 +186,19 @@ class DraftOrRetrieve:
         draft_cost_ratio: draft forward time / target verify forward time, > 0.
         ema: weight of the past in the running means.
         explore_every: retrieval-only rounds in a row after which the batch drafts (>= 1).
+        warmup: drafted rounds observed before the yields decide (>= 1).
         read_cost: draft forwards one unread token adds to a draft forward (>= 0; a
             prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards; 0.015 was
             measured for a 0.5B draft on 2 CPU cores: 84 ms for 1 token, 1917 ms for 1024).
     """
 
     def __init__(
-        self, draft_cost_ratio: float, ema: float = 0.9, explore_every: int = 8, read_cost: float = 0.015
+        self,
+        draft_cost_ratio: float,
+        ema: float = 0.9,
+        explore_every: int = 8,
+        read_cost: float = 0.015,
+        warmup: int = 3,
     ) -> None:
         check_cost_ratio(draft_cost_ratio)
         if not 0.0 <= ema < 1.0:
@@ -197,14 +207,19 @@ class DraftOrRetrieve:
             raise ValueError(f"explore_every must be >= 1 round, got {explore_every}")
         if not read_cost >= 0.0:
             raise ValueError(f"read_cost (draft forwards per unread token) must be >= 0, got {read_cost}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 drafted round, got {warmup}")
         self.ratio = float(draft_cost_ratio)
         self.ema = ema
         self.explore_every = explore_every
         self.read_cost = float(read_cost)
+        self.warmup = warmup
+        self.drafted_rounds = 0
         self.rate = RoundRate(draft_cost_ratio, ema)  # R over every observed round
         self.skipped_in_a_row = 0
-        self.drafted_tokens: float | None = None  # tokens per drafted round (bonus included)
-        self.drafted_forwards: float | None = None  # draft forwards per drafted round
+        # Drafted rounds: exponentially weighted sums of tokens (bonus included) and draft
+        # forwards, and of the weights, so their means weigh the first rounds like any other.
+        self._drafted_sums = [0.0, 0.0, 0.0]  # tokens, forwards, weight
         # Verify cost of drafted and of retrieval-only rounds (1 and 1 unless the verify
         # width varies: a drafted tree holds more nodes worth verifying, see VerifyCost).
         self.drafted_verify = 1.0
@@ -214,6 +229,18 @@ class DraftOrRetrieve:
         self.skipped_predicted = 1.0
         self.skipped_realised = 1.0
         self._prediction: float | None = None  # this round's batch-mean prediction
+
+    @property
+    def drafted_tokens(self) -> float | None:
+        """Mean tokens per drafted round, bonus included (None before the first)."""
+        tokens, _, weight = self._drafted_sums
+        return tokens / weight if weight else None
+
+    @property
+    def drafted_forwards(self) -> float | None:
+        """Mean draft forwards per drafted round (None before the first)."""
+        _, forwards, weight = self._drafted_sums
+        return forwards / weight if weight else None
 
     @property
     def realism(self) -> float:
@@ -228,7 +255,7 @@ class DraftOrRetrieve:
         bs = retrieved_scores.shape[0]
         device = retrieved_scores.device
         self._prediction = None
-        if self.drafted_tokens is None or self.drafted_forwards is None:
+        if self.drafted_tokens is None or self.drafted_forwards is None or self.drafted_rounds < self.warmup:
             return torch.ones(bs, dtype=torch.bool, device=device)
         charge = torch.zeros(bs, dtype=torch.float64, device=device)
         if unread is not None:
@@ -256,11 +283,9 @@ class DraftOrRetrieve:
                 self.skipped_realised = e * self.skipped_realised + (1.0 - e) * (tokens_per_request - 1.0)
         else:
             self.drafted_verify = e * self.drafted_verify + (1.0 - e) * verify_cost
-            if self.drafted_tokens is None or self.drafted_forwards is None:
-                self.drafted_tokens, self.drafted_forwards = float(tokens_per_request), float(forwards)
-            else:
-                self.drafted_tokens = e * self.drafted_tokens + (1.0 - e) * tokens_per_request
-                self.drafted_forwards = e * self.drafted_forwards + (1.0 - e) * forwards
+            self.drafted_rounds += 1
+            tokens, fwd, weight = self._drafted_sums
+            self._drafted_sums = [e * tokens + tokens_per_request, e * fwd + forwards, e * weight + 1.0]
         self._prediction = None
 
 

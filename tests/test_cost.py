@@ -25,6 +25,7 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
         (lambda: DraftOrRetrieve(0.3, ema=-0.1), "ema"),
         (lambda: DraftOrRetrieve(0.3, explore_every=0), "explore_every"),
         (lambda: DraftOrRetrieve(0.3, read_cost=-1.0), "read_cost"),
+        (lambda: DraftOrRetrieve(0.3, warmup=0), "warmup"),
         (lambda: VerifyCost([(2, 1.0), (8, 1.2)]), "starting at 1 token"),
         (lambda: VerifyCost([(1, 1.0)]), "at least two"),
         (lambda: VerifyCost([(1, 1.0), (8, 1.2), (8, 1.3)]), "increase strictly, got 8 then 8"),
@@ -77,7 +78,7 @@ def test_depth_budget_learns_survival():
 
 
 def test_draft_or_retrieve_weighs_extra_tokens_against_the_long_run_rate():
-    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5)
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, warmup=1)
     strong = torch.tensor([[0.9, 0.6, 0.3, 0.0]])
     weak = torch.tensor([[0.1, 0.05, 0.0, 0.0]])
     valid = torch.ones(1, 4, dtype=torch.bool)
@@ -98,11 +99,11 @@ def test_draft_or_retrieve_skips_a_dry_moment_of_a_fast_request():
     tokens per unit, since the draft's 1.5 extra tokens are worth less than its forward."""
     dry = torch.zeros(1, 4)
     valid = torch.zeros(1, 4, dtype=torch.bool)
-    slow = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    slow = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100, warmup=1)
     slow.observe(2.5, 1)  # drafted rounds yield 2.5 tokens for 0.5 extra units
     assert slow.rate.value < 2.0
     assert slow.wants_draft(dry, valid, 3).tolist() == [True]  # 1.5 > R * 0.5
-    fast = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    fast = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100, warmup=1)
     fast.observe(2.5, 1)
     for _ in range(20):
         fast.observe(4.0, 0)  # retrieval-only rounds copying 4 tokens each
@@ -115,8 +116,8 @@ def test_draft_or_retrieve_charges_a_dearer_drafted_verify():
     the verify costs of drafted and retrieval-only rounds is charged like draft forwards."""
     dry = torch.zeros(1, 4)
     valid = torch.zeros(1, 4, dtype=torch.bool)
-    flat = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
-    dear = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    flat = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100, warmup=1)
+    dear = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100, warmup=1)
     for gate, drafted_verify in ((flat, 1.0), (dear, 3.0)):
         gate.observe(2.0, 1, verify_cost=drafted_verify)
         gate.observe(2.0, 0, verify_cost=1.0)
@@ -129,7 +130,7 @@ def test_draft_or_retrieve_charges_a_dearer_drafted_verify():
 
 
 def test_draft_or_retrieve_learns_when_retrieval_disappoints():
-    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100)
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=100, warmup=1)
     valid = torch.ones(1, 2, dtype=torch.bool)
     proposal = torch.tensor([[0.5, 0.4]])  # predicts 0.9 tokens past the bonus
     gate.observe(2.5, 2)
@@ -144,7 +145,7 @@ def test_draft_or_retrieve_learns_when_retrieval_disappoints():
 def test_draft_or_retrieve_explores_after_a_bad_start():
     """A drafted round that looked hopeless must not lock drafting out: every
     ``explore_every`` retrieval-only rounds the batch drafts once and re-measures."""
-    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.2, explore_every=3)
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.2, explore_every=3, warmup=1)
     valid = torch.ones(1, 2, dtype=torch.bool)
     proposal = torch.tensor([[0.5, 0.4]])
     gate.observe(1.0, 2)  # a drafted round that yielded the bonus alone: 0.5 per unit
@@ -153,16 +154,53 @@ def test_draft_or_retrieve_explores_after_a_bad_start():
         draft = bool(gate.wants_draft(proposal, valid, 2))
         decisions.append(draft)
         gate.observe(7.0 if draft else 1.9, 2 if draft else 0)
-    # Skip three, explore; the drafted mean, 5.8 tokens, then adds 3.9 over 1.9 for 1 unit,
-    # more than R (3.3): keep drafting.
+    # Skip three, explore; the drafted mean, (0.2 * 1 + 7) / 1.2 = 6 tokens, then adds 4.1
+    # over 1.9 for 1 unit, more than R (3.3): keep drafting.
     assert decisions == [False, False, False, True, True, True, True, True]
+
+
+def test_draft_or_retrieve_drafts_through_its_warmup():
+    """One drafted round is a poor sample (the first token of an answer is often one the
+    draft misses): until ``warmup`` drafted rounds are observed every request drafts, even
+    when the first yielded the bonus alone and retrieval looks strong."""
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.9, explore_every=100, warmup=3)
+    strong = torch.tensor([[0.9, 0.8]])
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    decisions = []
+    for tokens in (1.0, 1.0, 1.0, 1.0):
+        decisions.append(bool(gate.wants_draft(strong, valid, 2)))
+        gate.observe(tokens, 2)
+    # Three drafted rounds, then the yields decide: 1 token drafted vs 2.7 retrieved.
+    assert decisions == [True, True, True, False]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    yields=st.lists(st.tuples(st.floats(1.0, 9.0), st.integers(1, 6)), min_size=1, max_size=12),
+    ema=st.floats(0.0, 0.95),
+)
+def test_drafted_yield_weighs_every_drafted_round_alike(yields, ema):
+    """The drafted yield and forwards are exponentially weighted means in which the first
+    drafted round weighs what any other does (a running average seeded with its first sample
+    kept an unlucky first round at 1 / (1 - ema) rounds' weight); retrieval-only rounds in
+    between leave them alone."""
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=ema)
+    assert gate.drafted_tokens is None and gate.drafted_forwards is None
+    for tokens, forwards in yields:
+        gate.observe(tokens, forwards)
+        gate.observe(1.5, 0)
+    weights = [ema ** (len(yields) - 1 - i) for i in range(len(yields))]
+    total = sum(weights)
+    assert gate.drafted_tokens == pytest.approx(sum(w * t for w, (t, _) in zip(weights, yields)) / total)
+    assert gate.drafted_forwards == pytest.approx(sum(w * f for w, (_, f) in zip(weights, yields)) / total)
+    assert gate.drafted_rounds == len(yields)
 
 
 def test_draft_or_retrieve_charges_an_unread_prompt():
     """A drafter that would first prefill a long prompt is charged for it: the request that
     has read everything drafts, the one with 2000 unread tokens stays on retrieval, and an
     exploration round drafts only the warm one."""
-    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=4, read_cost=0.03)
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=4, read_cost=0.03, warmup=1)
     gate.observe(3.0, 2)  # drafted: 3 tokens for 2 * 0.5 = 1 extra unit
     proposal = torch.tensor([[0.2, 0.1], [0.2, 0.1]])  # retrieval alone: 1.3 tokens
     valid = torch.ones(2, 2, dtype=torch.bool)
