@@ -8,7 +8,8 @@
 #
 # Options:  --tiny (or GRAFT_TINY=1): tiny in-process random models, a smoke run in seconds.
 # Env:      GRAFT_PROMPT, GRAFT_MAX_NEW_TOKENS (64), GRAFT_POLICY (graft), GRAFT_THREADS (all cores),
-#           GRAFT_MODEL_PATH (GPU server target), GRAFT_MODEL_CACHE (where the CPU pair is kept).
+#           GRAFT_CPU_FLAGS (the CPU tree settings, see below), GRAFT_MODEL_PATH (GPU server
+#           target), GRAFT_MODEL_CACHE (where the CPU pair is kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +40,11 @@ paths=$("$bin/python" scripts/fetch_cpu_models.py | tail -n 1)
 target=$("$bin/python" -c 'import json, sys; print(json.loads(sys.argv[1])["target"])' "$paths")
 draft=$("$bin/python" -c 'import json, sys; print(json.loads(sys.argv[1])["draft"])' "$paths")
 threads=${GRAFT_THREADS:-$(nproc)}
+# The tree settings measured fastest for this pair on 2-core CPUs (README, "Benchmarks"): an
+# 8-node budget, 4 children per level, the draft's head over its 32768 lowest ids, the draft
+# in int8, and the verify-cost curve timed on this host first (a few seconds). Later flags
+# win; GRAFT_CPU_FLAGS replaces the set (e.g. GRAFT_CPU_FLAGS= for the engine's defaults).
 # The dtype defaults to bfloat16 where the CPU multiplies bf16 natively, else float32 (see --help).
+read -r -a cpu_flags <<< "${GRAFT_CPU_FLAGS---num-nodes 8 --draft-topk 4 --draft-vocab 32768 --draft-int8 --verify-costs auto}"
 exec "$bin/sglang-graft" generate --target "$target" --draft "$draft" --threads "$threads" \
-  "${gen[@]}" "${args[@]}"
+  "${cpu_flags[@]}" "${gen[@]}" "${args[@]}"
