@@ -19,7 +19,10 @@ them all alike (the draft/target ratio most of all needs that).
 It also prints the whole curve as ``--verify-costs``: with it, ``pruned``, ``retrieval``
 and ``graft`` choose each round's verify width themselves (up to ``--num-nodes``), keeping
 only the nodes whose expected tokens pay for the extra verify time on this host, instead
-of always verifying a fixed ``n``.
+of always verifying a fixed ``n``. Last, a draft prefill over ``--prefill-tokens`` fresh
+tokens gives ``--draft-read-cost``: what one unread prompt token adds to the draft's first
+forward on a request, which ``graft`` weighs before prefilling the draft on a prompt that
+retrieval might copy instead (an int8 draft's one-token forward halves, its prefill does not).
 
 Prints a table (median of --reps forwards after one warm-up); no assertions.
 """
@@ -33,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft
-from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, verify_costs_flag
+from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, prefill_ms, read_cost, verify_costs_flag
 
 
 def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
@@ -65,6 +68,10 @@ def main() -> None:
         "--draft-int8", action="store_true",
         help="time the draft as generate/bench --draft-int8 runs it (dynamic int8 matmuls, CPU)",
     )
+    ap.add_argument(
+        "--prefill-tokens", type=int, default=512,
+        help="prompt length of the draft prefill timed for --draft-read-cost (default 512)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.threads:
@@ -76,6 +83,8 @@ def main() -> None:
         ap.error(f"--draft-vocab must be >= 0 token ids (0: the full head), got {args.draft_vocab}")
     if counts[0] < 1:
         ap.error(f"--tokens and --verify-tokens must be >= 1, got {counts[0]}")
+    if args.prefill_tokens < 1:
+        ap.error(f"--prefill-tokens must be >= 1, got {args.prefill_tokens}")
     timers: dict[str, ForwardTimer] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
@@ -85,6 +94,8 @@ def main() -> None:
         head = DraftHead(model, args.draft_vocab, [], vocab) if role == "draft" and args.draft_vocab else None
         timers[role] = ForwardTimer(model, args.context, vocab, head)
     ms = interleaved_ms(timers, counts, args.reps)
+    draft = timers["draft"]
+    draft_prefill = prefill_ms(draft.model, args.prefill_tokens, args.reps, draft.vocab, draft.head)
     head_note = f", draft head {args.draft_vocab} ids" if args.draft_vocab else ""
     head_note += ", int8 draft" if args.draft_int8 else ""
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context}{head_note} (median ms per forward)")
@@ -101,6 +112,11 @@ def main() -> None:
     print(
         f"or: --verify-costs {curve} --num-nodes {max(counts)} --draft-cost-ratio {per_token_ratio:.2f}"
         "  (each round then verifies only the tree width that pays on this host; the ratio is per one-token step)"
+    )
+    reads = read_cost(draft_prefill, ms["draft"][1], args.prefill_tokens)
+    print(
+        f"--draft-read-cost {reads:.3f}  (draft prefill of {args.prefill_tokens} tokens: {draft_prefill:.0f} ms, "
+        f"i.e. 1 + {args.prefill_tokens} x {reads:.3f} one-token draft forwards)"
     )
 
 

@@ -102,6 +102,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "alone by the same measure (default: the two models' "
                         "weight-size ratio, which underestimates small drafts: measure it, e.g. 0.4 for the "
                         "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU)")
+    p.add_argument("--draft-read-cost", type=float, default=None, metavar="F",
+                   help="graft: draft forwards one unread prompt token adds to the draft's next forward (>= 0), "
+                        "which it weighs before prefilling the draft on a request's prompt that retrieval might "
+                        "copy instead (default: 0.045 with --draft-int8, else 0.015; "
+                        "scripts/bench_forward_cost.py measures it)")
     p.add_argument("--verify-costs", type=_verify_costs, default=None, metavar="T:C,...|auto",
                    help="what a target forward over T tokens costs on this host, e.g. '1:1,8:1.15,16:1.33' "
                         "(scripts/bench_forward_cost.py prints it), or 'auto' to time it on the loaded target "
@@ -210,6 +215,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,
         continue_drafts=args.continue_drafts,
+        draft_read_cost=args.draft_read_cost,
         compile_core=args.compile_core,
         verify_costs=None if args.verify_costs == "auto" else args.verify_costs,
     )

@@ -53,11 +53,26 @@ import torch
 #: How much of the path probability one more level keeps, before anything is observed.
 _PRIOR_SURVIVAL = 0.8
 
+#: Draft forwards one unread token adds to a draft forward (``DraftOrRetrieve``'s
+#: ``read_cost``), measured for a 0.5B bf16 draft on 2 CPU cores: 84 ms for 1 token, 1917
+#: ms for 1024. An int8 draft's one-token forward is twice as cheap but its prefill is not,
+#: so its read cost is three times this (``engine.config.INT8_DRAFT_READ_COST``).
+DEFAULT_READ_COST = 0.015
+
 
 def check_cost_ratio(ratio: float | None) -> None:
     """Raise ``ValueError`` unless ``ratio`` (draft forward / target verify time) is None or > 0."""
     if ratio is not None and not ratio > 0:
         raise ValueError(f"draft_cost_ratio (draft forward / target verify time) must be > 0, got {ratio}")
+
+
+def check_read_cost(read_cost: float) -> None:
+    """Raise ``ValueError`` unless ``read_cost`` (draft forwards per unread token) is finite and >= 0."""
+    if not (math.isfinite(read_cost) and read_cost >= 0.0):
+        raise ValueError(
+            "draft read cost (--draft-read-cost, read_cost: the draft forwards one unread prompt token adds) "
+            f"must be a finite number >= 0, got {read_cost}"
+        )
 
 
 class RoundRate:
@@ -188,8 +203,8 @@ class DraftOrRetrieve:
         explore_every: retrieval-only rounds in a row after which the batch drafts (>= 1).
         warmup: drafted rounds observed before the yields decide (>= 1).
         read_cost: draft forwards one unread token adds to a draft forward (>= 0; a
-            prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards; 0.015 was
-            measured for a 0.5B draft on 2 CPU cores: 84 ms for 1 token, 1917 ms for 1024).
+            prefill of ``q`` tokens costs about ``1 + q * read_cost`` forwards; see
+            ``DEFAULT_READ_COST``; ``scripts/bench_forward_cost.py`` measures it).
     """
 
     def __init__(
@@ -197,7 +212,7 @@ class DraftOrRetrieve:
         draft_cost_ratio: float,
         ema: float = 0.9,
         explore_every: int = 8,
-        read_cost: float = 0.015,
+        read_cost: float = DEFAULT_READ_COST,
         warmup: int = 3,
     ) -> None:
         check_cost_ratio(draft_cost_ratio)
@@ -205,8 +220,7 @@ class DraftOrRetrieve:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1 round, got {explore_every}")
-        if not read_cost >= 0.0:
-            raise ValueError(f"read_cost (draft forwards per unread token) must be >= 0, got {read_cost}")
+        check_read_cost(read_cost)
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 drafted round, got {warmup}")
         self.ratio = float(draft_cost_ratio)

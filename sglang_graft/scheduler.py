@@ -29,7 +29,15 @@ import torch
 
 from sglang_graft.candidates import Candidates
 from sglang_graft.compiled import CompiledGate, CompiledRound
-from sglang_graft.cost import DepthBudget, DraftOrRetrieve, RoundRate, VerifyCost, check_cost_ratio
+from sglang_graft.cost import (
+    DEFAULT_READ_COST,
+    DepthBudget,
+    DraftOrRetrieve,
+    RoundRate,
+    VerifyCost,
+    check_cost_ratio,
+    check_read_cost,
+)
 from sglang_graft.graft import GraftResult, graft, graft_below, trim
 from sglang_graft.prune import ConfidencePruner, GateConfig, stop_depths
 from sglang_graft.tree import TokenTree
@@ -85,6 +93,9 @@ class SchedulerConfig:
             continuations compete for the tree's slots too; a copy the draft has begun
             then runs deeper than the draft went. 0: off. It reads the tree back to the
             host once per drafted round.
+        draft_read_cost: ``graft`` with a ``draft_cost_ratio``: draft forwards one token the
+            drafter has not read yet adds to its next forward (a cold request's prompt), as
+            the draft-or-retrieve gate charges it (``DraftOrRetrieve``'s ``read_cost``).
     """
 
     policy: str = "graft"
@@ -95,6 +106,7 @@ class SchedulerConfig:
     compile_core: bool = False
     verify_costs: tuple[tuple[int, float], ...] | None = None
     continue_drafts: int = 0
+    draft_read_cost: float = DEFAULT_READ_COST
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -102,6 +114,7 @@ class SchedulerConfig:
         if self.num_nodes < 2:
             raise ValueError(f"num_nodes (verify budget n) must be >= 2, got {self.num_nodes}")
         check_cost_ratio(self.draft_cost_ratio)
+        check_read_cost(self.draft_read_cost)
         if self.verify_costs is not None:
             VerifyCost(self.verify_costs)  # raises on a malformed curve
             if self.trims and self.uses_draft and self.draft_cost_ratio is None:
@@ -149,7 +162,11 @@ class GraftScheduler:
         costed = config.uses_gates and config.draft_cost_ratio is not None
         self.depth_budget = DepthBudget(config.draft_cost_ratio, config.draft_depth) if costed else None
         # Skipping the draft altogether needs retrieval to fill the tree instead: graft only.
-        self.draft_gate = DraftOrRetrieve(config.draft_cost_ratio) if costed and config.uses_retrieval else None
+        self.draft_gate = (
+            DraftOrRetrieve(config.draft_cost_ratio, read_cost=config.draft_read_cost)
+            if costed and config.uses_retrieval
+            else None
+        )
         self.verify_cost = VerifyCost(config.verify_costs) if config.verify_costs is not None else None
         # The long-run rate R that verify widths are weighed against (shared with the draft
         # gate when there is one; a policy without drafts never charges the ratio).

@@ -309,3 +309,27 @@ def test_verify_costs_need_a_draft_price_for_drafting_policies():
     SchedulerConfig(policy="retrieval", verify_costs=((1, 1.0), (16, 1.3)))  # nothing to price
     with pytest.raises(ValueError, match="starting at 1 token"):
         SchedulerConfig(policy="retrieval", verify_costs=((4, 1.0), (16, 1.3)))
+
+
+def test_read_cost_follows_the_draft_kind_and_reaches_the_gate():
+    """``EngineConfig.draft_read_cost`` defaults by draft kind (an int8 draft's prefill is
+    dearer in its own forwards), an explicit value wins, and the scheduler's
+    draft-or-retrieve gate charges what the config says."""
+    from sglang_graft.cost import DEFAULT_READ_COST
+    from sglang_graft.engine.config import INT8_DRAFT_READ_COST
+    from sglang_graft.retrieval import Retriever, RetrieverConfig
+    from sglang_graft.scheduler import GraftScheduler
+
+    base = EngineConfig(policy="graft", draft_cost_ratio=0.3)
+    assert base.scheduler_config().draft_read_cost == DEFAULT_READ_COST
+    int8 = EngineConfig(policy="graft", draft_cost_ratio=0.3, draft_int8=True)
+    assert int8.scheduler_config().draft_read_cost == INT8_DRAFT_READ_COST > DEFAULT_READ_COST
+    chosen = EngineConfig(policy="graft", draft_cost_ratio=0.3, draft_int8=True, draft_read_cost=0.02)
+    scheduler = GraftScheduler(chosen.scheduler_config(), Retriever(RetrieverConfig(vocab_size=100)))
+    assert scheduler.draft_gate is not None and scheduler.draft_gate.read_cost == 0.02
+
+
+@pytest.mark.parametrize("bad", [-0.01, float("nan"), float("inf")])
+def test_a_bad_read_cost_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="read cost"):
+        EngineConfig(policy="graft", draft_read_cost=bad)

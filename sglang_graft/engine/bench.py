@@ -206,6 +206,8 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_window": settings.engine.draft_window,
         "gates": settings.engine.gates.mode,
         "draft_cost_ratio": settings.engine.draft_cost_ratio,
+        "draft_read_cost": settings.engine.resolved_read_cost,
+        "draft_int8": settings.engine.draft_int8,
         "seed_draft": settings.engine.seed_draft,
         "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sglang_graft.cost import check_cost_ratio
+from sglang_graft.cost import DEFAULT_READ_COST, check_cost_ratio, check_read_cost
 from sglang_graft.prune import GateConfig
 from sglang_graft.scheduler import POLICIES, SchedulerConfig
+
+#: Draft forwards one unread prompt token adds for an int8 draft (``draft_int8``): the
+#: 0.5B int8 draft on a 2-core AMD EPYC took 25 ms for 1 token and 0.30 / 0.83 / 1.72 s for
+#: 300 / 700 / 1200 (0.037-0.057 per token); its prefill gains less from int8 than its
+#: one-token forward does.
+INT8_DRAFT_READ_COST = 0.045
 
 #: ``ar`` is plain decoding (one token per target forward); the rest are scheduler policies.
 ENGINE_POLICIES: tuple[str, ...] = ("ar", *POLICIES)
@@ -51,6 +57,13 @@ class EngineConfig:
             0 (off) by default: on 18 Spec-Bench questions on a CPU, 4 made drafted rounds
             look better to the draft-or-retrieve gate, which then drafted more on
             copy-heavy prompts than the extra tokens paid for (README).
+        draft_read_cost: ``graft``: draft forwards one unread prompt token adds, which the
+            draft-or-retrieve gate charges before a cold request's first draft (its
+            prefill); None: ``INT8_DRAFT_READ_COST`` with ``draft_int8``, else
+            ``sglang_graft.cost.DEFAULT_READ_COST`` (``scripts/bench_forward_cost.py``
+            measures it). Too low a value prefills the draft on long prompts that retrieval
+            alone would copy (6 summarization and RAG questions: 4.9% fewer tokens/s at 0.015
+            than at 0.045 with the int8 draft).
         compile_core: build trees with the AOTInductor-compiled core (``sglang_graft.compiled``).
         verify_costs: ``(tokens, cost)`` points of a target forward's cost on this host, as
             ``scripts/bench_forward_cost.py`` prints them: every policy but ``dense`` then
@@ -69,6 +82,7 @@ class EngineConfig:
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
     continue_drafts: int = 0
+    draft_read_cost: float | None = None
     compile_core: bool = False
     verify_costs: tuple[tuple[int, float], ...] | None = None
 
@@ -88,6 +102,8 @@ class EngineConfig:
         if self.continue_drafts < 0:
             raise ValueError(f"continue_drafts must be >= 0 draft nodes per request (0: off), got {self.continue_drafts}")
         check_cost_ratio(self.draft_cost_ratio)
+        if self.draft_read_cost is not None:
+            check_read_cost(self.draft_read_cost)
 
     @property
     def uses_draft(self) -> bool:
@@ -110,7 +126,15 @@ class EngineConfig:
             compile_core=self.compile_core,
             verify_costs=self.verify_costs,
             continue_drafts=self.continue_drafts,
+            draft_read_cost=self.resolved_read_cost,
         )
+
+    @property
+    def resolved_read_cost(self) -> float:
+        """``draft_read_cost``, or its default for this draft (see the attribute)."""
+        if self.draft_read_cost is not None:
+            return self.draft_read_cost
+        return INT8_DRAFT_READ_COST if self.draft_int8 else DEFAULT_READ_COST
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,40 @@ def forward_ms(
     return interleaved_ms({"model": ForwardTimer(model, context, vocab, head)}, counts, reps)["model"]
 
 
+@torch.inference_mode()
+def prefill_ms(
+    model: torch.nn.Module,
+    tokens: int,
+    reps: int,
+    vocab: int,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """Median milliseconds of a forward over ``tokens`` fresh (random) tokens, no cache: a
+    prefill, as a drafter's first draft on a prompt runs it (after one warm-up)."""
+    if tokens < 1 or reps < 1:
+        raise ValueError(f"prefill tokens and reps must be >= 1, got tokens={tokens}, reps={reps}")
+    gen = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
+    times = []
+    for _ in range(reps + 1):
+        x = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
+        start = time.perf_counter()
+        if head is None:
+            model(x, logits_to_keep=1)
+        else:
+            decoder_logits(model, head, 1, input_ids=x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def read_cost(prefill: float, one_token: float, tokens: int) -> float:
+    """Draft forwards one more unread token adds (``--draft-read-cost``), from the time of a
+    prefill over ``tokens`` tokens and of a one-token forward (any one unit)."""
+    return max(prefill / one_token - 1.0, 0.0) / tokens
+
+
 def measure_verify_costs(model: torch.nn.Module, num_nodes: int, context: int = 256, reps: int = 3) -> tuple[tuple[int, float], ...]:
     """``(tokens, ms)`` of the target's forwards up to ``num_nodes`` tokens, as
     ``EngineConfig.verify_costs`` takes them (about ``reps + 1`` decode steps per count)."""
