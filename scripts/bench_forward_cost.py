@@ -34,6 +34,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
+from sglang_graft.engine.cpu_linear import CPU_KERNEL_MODES, KernelLinear, use_cpu_kernel, wants_cpu_kernel
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft
 from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, prefill_ms, read_cost, verify_costs_flag
@@ -72,6 +73,10 @@ def main() -> None:
         "--prefill-tokens", type=int, default=512,
         help="prompt length of the draft prefill timed for --draft-read-cost (default 512)",
     )
+    ap.add_argument(
+        "--cpu-kernel", choices=CPU_KERNEL_MODES, default="auto",
+        help="linear layers through the project's AVX2 kernel, as generate/bench --cpu-kernel runs them (default auto)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.threads:
@@ -88,6 +93,8 @@ def main() -> None:
     timers: dict[str, ForwardTimer] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        if wants_cpu_kernel(args.cpu_kernel, model.dtype, "cpu"):
+            use_cpu_kernel(model)
         if role == "draft" and args.draft_int8:
             model = int8_draft(model)
         vocab = int(model.config.get_text_config().vocab_size)
@@ -98,6 +105,7 @@ def main() -> None:
     draft_prefill = prefill_ms(draft.model, args.prefill_tokens, args.reps, draft.vocab, draft.head)
     head_note = f", draft head {args.draft_vocab} ids" if args.draft_vocab else ""
     head_note += ", int8 draft" if args.draft_int8 else ""
+    head_note += ", CPU kernel" if isinstance(timers["target"].model.get_output_embeddings(), KernelLinear) else ""
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} context={args.context}{head_note} (median ms per forward)")
     print(f"{'tokens':>7} {'target':>9} {'x 1-token':>10} {'draft':>9}")
     for q in counts:

@@ -14,6 +14,7 @@ _EXPORTS = {
     "ENGINE_POLICIES": "config",
     "EngineConfig": "config",
     "SamplingConfig": "config",
+    "use_cpu_kernel": "cpu_linear",
     "DecodeRun": "decoder",
     "SpecEngine": "decoder",
     "DraftOutput": "drafter",

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from sglang_graft.engine.baselines import BASELINES, HFBaseline
 from sglang_graft.engine.config import ENGINE_POLICIES, EngineConfig
+from sglang_graft.engine.cpu_linear import KernelLinear
 from sglang_graft.engine.decoder import SpecEngine
 from sglang_graft.engine.draft_int8 import int8_draft
 from sglang_graft.engine.models import ModelPair
@@ -212,6 +213,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,
         "dtype": dtype,
+        "cpu_kernel": isinstance(pair.target.get_output_embeddings(), KernelLinear),
         "tie_margin": settings.tie_margin,
         "threads": torch.get_num_threads(),
         "device": str(next(pair.target.parameters()).device),

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from sglang_graft.engine.cpu_linear import KernelLinear, cpu_linear
 from sglang_graft.engine.draft_int8 import CastLinear
 
 
@@ -44,7 +45,7 @@ class DraftHead:
         if keep < 1:
             raise ValueError(f"draft vocabulary must keep >= 1 token ids, got {keep}")
         head = model.get_output_embeddings()
-        if type(head) not in (torch.nn.Linear, CastLinear):
+        if type(head) not in (torch.nn.Linear, CastLinear, KernelLinear):
             raise ValueError(
                 f"--draft-vocab needs a draft whose LM head is a plain nn.Linear, got {type(head).__name__}; "
                 "leave --draft-vocab out for this draft"
@@ -60,11 +61,16 @@ class DraftHead:
         self.weight = head.weight.index_select(0, self.ids)
         self.bias = None if head.bias is None else head.bias.index_select(0, self.ids)
         self.vocab_size = head.weight.shape[0]
+        self.kernel = isinstance(head, KernelLinear)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., vocab]`` logits from the draft's final hidden states ``[..., hidden]``, in
-        the head's dtype (an ``int8_draft``'s hidden states are float32, its head is not)."""
-        kept = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        the head's dtype (an ``int8_draft``'s hidden states are float32, its head is not), or
+        through the CPU kernel when the head ran there, in the hidden states' dtype."""
+        if self.kernel:
+            kept = cpu_linear(hidden, self.weight, self.bias)
+        else:
+            kept = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.ids, kept)
 

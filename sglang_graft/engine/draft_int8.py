@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from sglang_graft.engine.cpu_linear import KernelLinear, share_linear
+
 #: Linear layers left in the loaded dtype, by the last part of their module name: the MLP
 #: output projection of Llama/Qwen-style decoders (see the module docstring).
 KEPT_LINEARS = ("down_proj",)
@@ -63,9 +65,10 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     """An int8 copy of a draft causal LM on the CPU (``model`` itself is left as it was).
 
     Every ``nn.Linear`` becomes a dynamic int8 linear (per-channel weights) except the
-    ``KEPT_LINEARS`` and the LM head, which keep the loaded dtype (``CastLinear``; the LM
-    head stays a linear layer that ``DraftHead`` can slice). Raises ``ValueError`` for a
-    model off the CPU, where PyTorch has no dynamic int8 kernels.
+    ``KEPT_LINEARS`` and the LM head, which keep the loaded dtype (``CastLinear``, or the
+    model's own ``KernelLinear`` when it runs the CPU kernel; the LM head stays a linear
+    layer that ``DraftHead`` can slice). Raises ``ValueError`` for a model off the CPU,
+    where PyTorch has no dynamic int8 kernels.
     """
     device = next(model.parameters()).device
     if device.type != "cpu":
@@ -74,12 +77,14 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
         return model
     head = model.get_output_embeddings()
     kept = {
-        name: CastLinear.of(m)
+        name: share_linear(KernelLinear, m) if isinstance(m, KernelLinear) else CastLinear.of(m)
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and (m is head or name.rsplit(".", 1)[-1] in KEPT_LINEARS)
     }
     out = copy.deepcopy(model).float()
-    for name, linear in kept.items():
+    # The other layers are quantized, which takes plain nn.Linear modules.
+    swaps = {**{n: share_linear(torch.nn.Linear, m) for n, m in out.named_modules() if type(m) is KernelLinear}, **kept}
+    for name, linear in swaps.items():
         parent, _, attr = name.rpartition(".")
         setattr(out.get_submodule(parent) if parent else out, attr, linear)
     quantized = {

@@ -30,6 +30,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from sglang_graft.engine.cpu_linear import use_cpu_kernel, wants_cpu_kernel
+
 TINY = "tiny"
 TINY_ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,14 +93,24 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
         )
 
 
-def prepare_pair(target: str, draft: str | None, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> ModelPair:
+def prepare_pair(
+    target: str,
+    draft: str | None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+    cpu_kernel: str = "auto",
+) -> ModelPair:
     """Validate both paths, configs and tokenizers, then load the weights.
 
     ``draft`` may be None for policies that use no draft model. ``tiny`` builds seeded
     random models in-process; a tiny target needs a tiny draft (or none) and vice versa.
+    ``cpu_kernel`` (``auto``, ``on``, ``off``): run both models' linear layers through the
+    project's AVX2 kernel (``engine.cpu_linear.wants_cpu_kernel``).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    kernel = wants_cpu_kernel(cpu_kernel, DTYPES[dtype], device)
     check_model_path(target, "target")
     if draft is not None:
         check_model_path(draft, "draft")
@@ -107,15 +119,19 @@ def prepare_pair(target: str, draft: str | None, dtype: str = "float32", device:
     torch_dtype = DTYPES[dtype]
     if target == TINY:
         t, d, tok = tiny_pair(seed=seed, dtype=torch_dtype)
-        return ModelPair(t.to(device), d.to(device) if draft is not None else None, tok)
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    require_full_attention(AutoConfig.from_pretrained(target), "target")
-    if draft is not None:
-        check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(draft))
-        require_full_attention(AutoConfig.from_pretrained(draft), "draft")
-    t = _load(target, torch_dtype, device)
-    d = _load(draft, torch_dtype, device) if draft is not None else None
-    return ModelPair(t, d, tokenizer)
+        t, d = t.to(device), d.to(device) if draft is not None else None
+    else:
+        tok = AutoTokenizer.from_pretrained(target)
+        require_full_attention(AutoConfig.from_pretrained(target), "target")
+        if draft is not None:
+            check_tokenizers(tok, AutoTokenizer.from_pretrained(draft))
+            require_full_attention(AutoConfig.from_pretrained(draft), "draft")
+        t = _load(target, torch_dtype, device)
+        d = _load(draft, torch_dtype, device) if draft is not None else None
+    if kernel:
+        for model in (t, d) if d is not None else (t,):
+            use_cpu_kernel(model)
+    return ModelPair(t, d, tok)
 
 
 def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_vocab: int = 0) -> float:

@@ -1,0 +1,156 @@
+"""The AVX2 linear kernel (``engine.cpu_linear``): exact against float64, batch-invariant,
+and decoding through it stays lossless.
+
+Skipped where the kernel cannot run (no AVX2/FMA, no C++ compiler): there ``auto`` never
+selects it, so nothing else depends on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine.cpu_linear import (
+    KernelLinear,
+    cpu_linear,
+    unavailable_reason,
+    use_cpu_kernel,
+    wants_cpu_kernel,
+)
+from sglang_graft.engine.draft_head import DraftHead
+from sglang_graft.engine.draft_int8 import int8_draft
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"CPU kernel: {unavailable_reason()}")
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _error_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ref: torch.Tensor, out_dtype) -> torch.Tensor:
+    """Float32 accumulation error over K terms, plus one bf16 rounding of the output."""
+    k = x.shape[-1]
+    scale = x.double().abs() @ w.double().abs().t() + (0.0 if bias is None else bias.double().abs())
+    bound = (k + 2) * 2.0**-23 * scale + 1e-30
+    if out_dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * ref.abs()
+    return bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 14),
+    n=st.integers(1, 37),
+    k=st.integers(1, 70),
+    w_dtype=st.sampled_from(DTYPES),
+    x_dtype=st.sampled_from(DTYPES),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_float64_and_rows_are_batch_invariant(m, n, k, w_dtype, x_dtype, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).to(w_dtype)
+    x = torch.randn(m, k, generator=gen).to(x_dtype)
+    bias = torch.randn(n, generator=gen).to(w_dtype) if with_bias else None
+    out = cpu_linear(x, w, bias)
+    assert out.dtype == x_dtype and out.shape == (m, n)
+    ref = x.double() @ w.double().t() + (0.0 if bias is None else bias.double())
+    assert bool(((out.double() - ref).abs() <= _error_bound(x, w, bias, ref, x_dtype)).all())
+    # A row's outputs do not depend on which rows share the call (decode step vs tree verify).
+    for i in range(m):
+        assert torch.equal(cpu_linear(x[i : i + 1], w, bias)[0], out[i])
+    assert torch.equal(cpu_linear(x.flip(0), w, bias), out.flip(0))
+
+
+def test_leading_dims_and_large_blocks():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 300, generator=gen).bfloat16()
+    x = torch.randn(2, 33, 300, generator=gen).bfloat16()
+    out = cpu_linear(x, w)
+    assert out.shape == (2, 33, 70)
+    assert torch.equal(out[1, 7], cpu_linear(x[1, 7], w))
+
+
+def test_bad_inputs_name_the_problem():
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="float16"):
+        cpu_linear(torch.randn(2, 8), w.half())
+    with pytest.raises(ValueError, match="contiguous: False"):
+        cpu_linear(torch.randn(2, 4), w.t())
+    with pytest.raises(ValueError, match="input has 5 features, the weight expects 8"):
+        cpu_linear(torch.randn(2, 5), w)
+    with pytest.raises(ValueError, match="activations"):
+        cpu_linear(torch.randn(2, 8, dtype=torch.float64), w)
+
+
+def test_mode_resolution():
+    with pytest.raises(ValueError, match="one of"):
+        wants_cpu_kernel("yes", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="'cuda'"):
+        wants_cpu_kernel("on", torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="float16"):
+        wants_cpu_kernel("on", torch.float16, "cpu")
+    assert not wants_cpu_kernel("off", torch.float32, "cpu")
+    assert not wants_cpu_kernel("auto", torch.float16, "cpu")
+    assert not wants_cpu_kernel("auto", torch.float32, "cuda")
+    assert wants_cpu_kernel("auto", torch.float32, "cpu")
+    assert wants_cpu_kernel("on", torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swapped_model_matches_pytorch_and_shares_weights(dtype):
+    target, _ = tiny_models("qwen2", vocab_size=200, seed=3, hidden=32, dtype=dtype)
+    reference, _ = tiny_models("qwen2", vocab_size=200, seed=3, hidden=32, dtype=dtype)
+    weights = {name: p for name, p in target.named_parameters()}
+    linears = sum(type(m) is torch.nn.Linear for m in target.modules())
+    assert use_cpu_kernel(target) == linears > 0
+    assert not any(type(m) is torch.nn.Linear for m in target.modules())
+    assert {name: p for name, p in target.named_parameters()} == weights  # no copies
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    with torch.inference_mode():
+        ours, theirs = target(ids).logits.double(), reference(ids).logits.double()
+    tol = 1e-4 if dtype == torch.float32 else 0.1 * float(theirs.abs().max())
+    assert float((ours - theirs).abs().max()) < tol
+
+
+PROMPTS = [[11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6], [42, 7]]
+
+
+@pytest.fixture(scope="module")
+def kernel_pair():
+    torch.set_num_threads(1)
+    target, draft = tiny_models("llama", vocab_size=200, seed=1, hidden=32)
+    use_cpu_kernel(target)
+    use_cpu_kernel(draft)
+    ref = [SpecEngine(target, None, EngineConfig(policy="ar")).generate([p], 16).requests[0].token_ids for p in PROMPTS]
+    return target, draft, ref
+
+
+@pytest.mark.parametrize("policy", ["dense", "pruned", "retrieval", "graft"])
+def test_policies_through_the_kernel_equal_ar(kernel_pair, policy):
+    target, draft, ref = kernel_pair
+    engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=6, draft_depth=3, draft_topk=3))
+    batch = engine.generate(PROMPTS, 16)
+    assert [r.token_ids for r in batch.requests] == ref
+    assert sum(sum(r.accepted.values()) for r in batch.requests) > 0, "nothing accepted: the test would prove nothing"
+
+
+def test_int8_draft_and_draft_head_keep_the_kernel(kernel_pair):
+    target, draft, ref = kernel_pair
+    q = int8_draft(draft)
+    head = q.get_output_embeddings()
+    assert type(head) is KernelLinear and head.weight is draft.get_output_embeddings().weight
+    assert type(q.model.layers[0].mlp.down_proj) is KernelLinear
+    assert isinstance(q.model.layers[0].mlp.up_proj, torch.ao.nn.quantized.dynamic.Linear)
+    assert type(draft.model.layers[0].mlp.up_proj) is KernelLinear  # the loaded draft is left as it was
+    dh = DraftHead(q, 50, PROMPTS, 200)
+    hidden = torch.randn(2, 3, 32)
+    logits = dh(hidden)
+    expected = torch.nn.functional.linear(hidden, head.weight.float())
+    kept = dh.ids
+    assert torch.allclose(logits[..., kept], expected[..., kept], atol=1e-4)
+    assert 60 not in kept.tolist() and bool(torch.isinf(logits[..., 60]).all())
+    config = EngineConfig(policy="graft", num_nodes=6, draft_depth=3, draft_topk=3, draft_int8=True, draft_vocab=50)
+    batch = SpecEngine(target, draft, config).generate(PROMPTS, 16)
+    assert [r.token_ids for r in batch.requests] == ref
