@@ -16,11 +16,13 @@
 //
 // Blocking: a register block is MR = 4 activation rows by NR = 3 weight rows (12
 // accumulators, 4 activation vectors, 1 weight vector: the 16 AVX2 registers), which
-// keeps the FMA units ~90% busy on a Zen 2 core. Each thread owns chunks of weight rows
-// small enough to stay in its L2 cache and runs every activation row over a chunk before
-// the next, so each weight byte comes from memory once per call and activations from the
-// L3 cache once per chunk. Threads: OpenMP, sharing the process's runtime (PyTorch's
-// libgomp), so torch.set_num_threads applies.
+// keeps the FMA units ~95% busy on a Zen 2 core (67-71 of 72 GFLOP/s in cache); one or two
+// rows, which only stream the weights, take 2 x 6 blocks (more loads in flight). Each
+// thread owns chunks of weight rows small enough to stay in its L2 cache and runs every
+// activation row over a chunk before the next, so each weight byte comes from memory once
+// per pass, and a pass's activations (~4 MB) from the L3 cache once per chunk. Threads:
+// OpenMP, sharing the process's runtime (PyTorch's libgomp), so torch.set_num_threads
+// applies.
 #include <immintrin.h>
 
 #include <omp.h>
@@ -167,6 +169,15 @@ void linear(const A* x_in, const T* w, const T* bias, A* y, long M, long N, long
     blocked<4, 3>(x, w, bias, y, M, N, K);
 }
 
+// The activations' dtype, for weights of type T.
+template <typename T>
+void by_activation(const void* x, const T* w, const T* bias, void* y, long M, long N, long K, int act_bf16) {
+  if (act_bf16)
+    linear(static_cast<const uint16_t*>(x), w, bias, static_cast<uint16_t*>(y), M, N, K);
+  else
+    linear(static_cast<const float*>(x), w, bias, static_cast<float*>(y), M, N, K);
+}
+
 }  // namespace
 
 extern "C" {
@@ -175,20 +186,9 @@ extern "C" {
 // w: [N, K] and bias: [N] (or null), both float32 (w_bf16 = 0) or bf16 (1). All contiguous.
 void graft_linear(const void* x, const void* w, const void* bias, void* y, long M, long N, long K, int act_bf16,
                   int w_bf16) {
-  if (w_bf16) {
-    const auto* wt = static_cast<const uint16_t*>(w);
-    const auto* bt = static_cast<const uint16_t*>(bias);
-    if (act_bf16)
-      linear(static_cast<const uint16_t*>(x), wt, bt, static_cast<uint16_t*>(y), M, N, K);
-    else
-      linear(static_cast<const float*>(x), wt, bt, static_cast<float*>(y), M, N, K);
-  } else {
-    const auto* wt = static_cast<const float*>(w);
-    const auto* bt = static_cast<const float*>(bias);
-    if (act_bf16)
-      linear(static_cast<const uint16_t*>(x), wt, bt, static_cast<uint16_t*>(y), M, N, K);
-    else
-      linear(static_cast<const float*>(x), wt, bt, static_cast<float*>(y), M, N, K);
-  }
+  if (w_bf16)
+    by_activation(x, static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(bias), y, M, N, K, act_bf16);
+  else
+    by_activation(x, static_cast<const float*>(w), static_cast<const float*>(bias), y, M, N, K, act_bf16);
 }
 }
