@@ -31,6 +31,11 @@ def test_bad_paths(tmp_path):
         prepare_pair("tiny", str(tmp_path))
     with pytest.raises(ValueError, match=r"dtype must be one of"):
         prepare_pair("tiny", "tiny", dtype="int8")
+    # Checked before any weights load: a bad mode, or 'on' where the kernel cannot run.
+    with pytest.raises(ValueError, match=r"--cpu-kernel must be one of"):
+        prepare_pair(str(tmp_path / "missing"), None, cpu_kernel="yes")
+    with pytest.raises(ValueError, match=r"--cpu-kernel on: .*float16"):
+        prepare_pair(str(tmp_path / "missing"), None, dtype="float16", cpu_kernel="on")
 
 
 def _folder(path, tokenizer, **config_overrides):

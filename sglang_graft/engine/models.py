@@ -110,13 +110,13 @@ def prepare_pair(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    kernel = wants_cpu_kernel(cpu_kernel, DTYPES[dtype], device)
+    torch_dtype = DTYPES[dtype]
+    kernel = wants_cpu_kernel(cpu_kernel, torch_dtype, device)
     check_model_path(target, "target")
     if draft is not None:
         check_model_path(draft, "draft")
         if (target == TINY) != (draft == TINY):
             raise ValueError("--target tiny and --draft tiny go together (a tiny model shares no tokenizer with a real one)")
-    torch_dtype = DTYPES[dtype]
     if target == TINY:
         t, d, tok = tiny_pair(seed=seed, dtype=torch_dtype)
         t, d = t.to(device), d.to(device) if draft is not None else None
