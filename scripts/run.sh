@@ -44,7 +44,8 @@ threads=${GRAFT_THREADS:-$(nproc)}
 # 8-node budget, 4 children per level, the draft's head over its 32768 lowest ids, the draft
 # in int8, and the verify-cost curve timed on this host first (a few seconds). Later flags
 # win; GRAFT_CPU_FLAGS replaces the set (e.g. GRAFT_CPU_FLAGS= for the engine's defaults).
-# The dtype defaults to bfloat16 where the CPU multiplies bf16 natively, else float32 (see --help).
+# The dtype is bfloat16; on CPUs without native bf16 matmul the linear layers then run through
+# the project's AVX2 kernel (--cpu-kernel auto; see --help).
 read -r -a cpu_flags <<< "${GRAFT_CPU_FLAGS---num-nodes 8 --draft-topk 4 --draft-vocab 32768 --draft-int8 --verify-costs auto}"
 exec "$bin/sglang-graft" generate --target "$target" --draft "$draft" --threads "$threads" \
   "${cpu_flags[@]}" "${gen[@]}" "${args[@]}"
