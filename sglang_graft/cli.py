@@ -140,7 +140,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="run the models' linear layers through the project's AVX2 kernel (engine/csrc/cpu_linear.cpp, "
                         "compiled once with g++, ~2 s): auto (default) uses it on the CPU for float32 models, and for "
                         "bfloat16 ones where the CPU has no native bf16 matmul (AMD Zen 2/3, older Intel: there it "
-                        "makes an 8-token verify ~4x and a prefill ~5x faster); on insists (an error says what is "
+                        "makes an 8-token verify ~5x and a prefill ~10x faster); on insists (an error says what is "
                         "missing); off keeps PyTorch's own")
     p.add_argument("--device", default="cpu", help="torch device (default cpu; e.g. cuda)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
