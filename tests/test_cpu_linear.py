@@ -72,6 +72,13 @@ def test_leading_dims_and_large_blocks():
     assert torch.equal(out[1, 7], cpu_linear(x[1, 7], w))
 
 
+def test_empty_shapes():
+    bias = torch.randn(3)
+    assert torch.equal(cpu_linear(torch.randn(2, 0), torch.randn(3, 0), bias), bias.expand(2, 3))
+    assert cpu_linear(torch.randn(0, 5), torch.randn(3, 5)).shape == (0, 3)
+    assert cpu_linear(torch.randn(2, 5), torch.randn(0, 5)).shape == (2, 0)
+
+
 def test_bad_inputs_name_the_problem():
     w = torch.randn(4, 8)
     with pytest.raises(ValueError, match="float16"):

@@ -24,6 +24,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -139,7 +140,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"cpu_linear: input has {x.shape[-1]} features, the weight expects {k}")
-    rows = x.reshape(-1, k).contiguous()
+    rows = x.reshape(math.prod(x.shape[:-1]), k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     b = None if bias is None else bias.to(weight.dtype).contiguous()
     _library().graft_linear(

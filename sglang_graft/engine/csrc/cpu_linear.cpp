@@ -134,13 +134,13 @@ void blocked(const float* x, const T* w, const T* bias, A* y, long M, long N, lo
   const long main_rows = N / NR * NR;
   // Weight rows per chunk: at most ~256 KB (an L2 share), at least four chunks per thread.
   const long threads = omp_get_max_threads();
-  const long fit = (256L << 10) / (K * static_cast<long>(sizeof(T)));
+  const long fit = (256L << 10) / std::max<long>(1, K * static_cast<long>(sizeof(T)));
   const long spread = (main_rows + 4 * threads - 1) / (4 * threads);
   const long chunk = std::max<long>(NR, std::min(fit, spread) / NR * NR);
   const long chunks = (main_rows + chunk - 1) / chunk;
   // Activation rows per pass over the weights: at most ~4 MB (an L3 share), so that every
   // chunk re-reads them from the cache (a long prompt's prefill takes several passes).
-  const long pass = std::max<long>(MR, (4L << 20) / (K * static_cast<long>(sizeof(float))) / MR * MR);
+  const long pass = std::max<long>(MR, (4L << 20) / std::max<long>(1, K * static_cast<long>(sizeof(float))) / MR * MR);
   for (long m0 = 0; m0 < M; m0 += pass) {
     const Call c{x + m0 * K, std::min(pass, M - m0), N, K};
     A* yp = y + m0 * N;
