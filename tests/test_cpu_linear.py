@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine.cpu_linear import (
     KernelLinear,
+    _library,
     cpu_linear,
     unavailable_reason,
     use_cpu_kernel,
@@ -119,6 +120,20 @@ def test_swapped_model_matches_pytorch_and_shares_weights(dtype):
         ours, theirs = target(ids).logits.double(), reference(ids).logits.double()
     tol = 1e-4 if dtype == torch.float32 else 0.1 * float(theirs.abs().max())
     assert float((ours - theirs).abs().max()) < tol
+
+
+def test_a_failed_build_falls_back_under_auto_and_is_named_under_on(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GRAFT_KERNEL_DIR", str(blocker / "kernels"))  # mkdir under a file fails
+    _library.cache_clear()
+    try:
+        assert "building it failed" in unavailable_reason()
+        assert not wants_cpu_kernel("auto", torch.float32, "cpu")
+        with pytest.raises(ValueError, match="--cpu-kernel on: building it failed"):
+            wants_cpu_kernel("on", torch.float32, "cpu")
+    finally:
+        _library.cache_clear()
 
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6], [42, 7]]

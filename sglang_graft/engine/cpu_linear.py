@@ -59,39 +59,55 @@ def native_bf16(flags: frozenset[str]) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot run here, or None when it can."""
-    flags = cpu_flags()
-    if not {"avx2", "fma"} <= flags:
+def _platform_problem() -> str | None:
+    """What this machine lacks to build and run the kernel, or None."""
+    if not {"avx2", "fma"} <= cpu_flags():
         return "this CPU lacks AVX2/FMA (or /proc/cpuinfo is unreadable)"
     if _compiler() is None:
         return "no C++ compiler found (install g++, or set CXX)"
     return None
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here, or None when it can (it is then built and loaded)."""
+    problem = _platform_problem()
+    if problem is not None:
+        return problem
+    try:
+        _library()
+    except (RuntimeError, OSError) as err:
+        return f"building it failed: {err}"
+    return None
+
+
 def wants_cpu_kernel(mode: str, dtype: torch.dtype, device: str) -> bool:
-    """Whether to run linear layers through the kernel under ``--cpu-kernel mode``.
+    """Whether to run linear layers through the kernel under ``--cpu-kernel mode``; when
+    True, the kernel is built and loaded.
 
     ``auto``: on a CPU device, for float32 models, and for bf16 models where the CPU has no
-    native bf16 (there PyTorch's own bf16 path is fast); ``on`` insists and raises
-    ``ValueError`` naming what is missing; ``off``: never.
+    native bf16 (there PyTorch's own bf16 path is fast); where the kernel cannot run, it
+    logs why and answers False. ``on`` insists and raises ``ValueError`` naming what is
+    missing; ``off``: never.
     """
     if mode not in CPU_KERNEL_MODES:
         raise ValueError(f"--cpu-kernel must be one of {CPU_KERNEL_MODES}, got {mode!r}")
     if mode == "off":
         return False
-    problem = None
     if not device.startswith("cpu"):
         problem = f"the models are on {device!r}, not the CPU"
     elif dtype not in _WEIGHT_DTYPES:
         problem = f"the kernel reads bfloat16 or float32 weights, the models are {dtype}"
+    elif mode == "auto" and dtype == torch.bfloat16 and native_bf16(cpu_flags()):
+        return False
     else:
         problem = unavailable_reason()
-    if mode == "on":
-        if problem is not None:
-            raise ValueError(f"--cpu-kernel on: {problem}; use --cpu-kernel off or auto")
+        if problem is not None and mode == "auto":
+            log.warning("--cpu-kernel auto: PyTorch's own linear layers run instead of the CPU kernel: %s", problem)
+    if problem is None:
         return True
-    return problem is None and (dtype == torch.float32 or not native_bf16(cpu_flags()))
+    if mode == "on":
+        raise ValueError(f"--cpu-kernel on: {problem}; use --cpu-kernel off or auto")
+    return False
 
 
 def _compiler() -> str | None:
@@ -103,7 +119,7 @@ def _library() -> ctypes.CDLL:
     """Build (once per source version) and load the kernel library."""
     import torch  # noqa: F401  (loaded first, so the library links PyTorch's OpenMP runtime)
 
-    problem = unavailable_reason()
+    problem = _platform_problem()
     if problem is not None:
         raise RuntimeError(f"the CPU linear kernel cannot run here: {problem}")
     source = SOURCE.read_bytes()
