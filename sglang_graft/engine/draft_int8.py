@@ -36,22 +36,6 @@ class CastLinear(torch.nn.Linear):
     """A linear layer that keeps its weights, and computes, in their own dtype whatever its
     input's; the output comes back in the input's dtype."""
 
-    @classmethod
-    def of(cls, linear: torch.nn.Linear) -> CastLinear:
-        """A copy of ``linear`` (same weights, same dtype)."""
-        out = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-        )
-        with torch.no_grad():
-            out.weight.copy_(linear.weight)
-            if linear.bias is not None:
-                out.bias.copy_(linear.bias)
-        return out
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
@@ -65,9 +49,9 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     """An int8 copy of a draft causal LM on the CPU (``model`` itself is left as it was).
 
     Every ``nn.Linear`` becomes a dynamic int8 linear (per-channel weights) except the
-    ``KEPT_LINEARS`` and the LM head, which keep the loaded dtype (``CastLinear``, or the
-    model's own ``KernelLinear`` when it runs the CPU kernel; the LM head stays a linear
-    layer that ``DraftHead`` can slice). Raises ``ValueError`` for a model off the CPU,
+    ``KEPT_LINEARS`` and the LM head, which keep the loaded dtype and share the loaded
+    model's weights (``CastLinear``, or ``KernelLinear`` when the model runs the CPU kernel;
+    the LM head stays a linear layer that ``DraftHead`` can slice). Raises ``ValueError`` for a model off the CPU,
     where PyTorch has no dynamic int8 kernels.
     """
     device = next(model.parameters()).device
@@ -77,7 +61,7 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
         return model
     head = model.get_output_embeddings()
     kept = {
-        name: share_linear(KernelLinear, m) if isinstance(m, KernelLinear) else CastLinear.of(m)
+        name: share_linear(KernelLinear if isinstance(m, KernelLinear) else CastLinear, m)
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and (m is head or name.rsplit(".", 1)[-1] in KEPT_LINEARS)
     }
