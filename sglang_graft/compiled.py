@@ -79,10 +79,14 @@ class _HideIsaNote(logging.Filter):
         return "AOTI_CPU_ISA" not in record.getMessage()
 
 
+def cache_root() -> Path:
+    """Where the project keeps what it builds: ``$SGLANG_GRAFT_CACHE``, else ``~/.cache/sglang-graft``."""
+    return Path(os.environ.get("SGLANG_GRAFT_CACHE") or Path.home() / ".cache" / "sglang-graft")
+
+
 def default_cache_dir() -> Path:
-    """``$SGLANG_GRAFT_CACHE/compiled``, else ``~/.cache/sglang-graft/compiled``."""
-    root = os.environ.get("SGLANG_GRAFT_CACHE") or Path.home() / ".cache" / "sglang-graft"
-    return Path(root) / "compiled"
+    """``cache_root() / "compiled"``."""
+    return cache_root() / "compiled"
 
 
 def pad_candidates(c: Candidates, width: int, rows: int | None = None) -> Candidates:

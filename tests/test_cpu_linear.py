@@ -125,7 +125,7 @@ def test_swapped_model_matches_pytorch_and_shares_weights(dtype):
 def test_a_failed_build_falls_back_under_auto_and_is_named_under_on(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv("GRAFT_KERNEL_DIR", str(blocker / "kernels"))  # mkdir under a file fails
+    monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(blocker / "cache"))  # mkdir under a file fails
     _library.cache_clear()
     try:
         assert "building it failed" in unavailable_reason()

@@ -14,7 +14,7 @@ a tree verify. Plain decoding and every speculative policy run the same layers (
 do transformers' baselines in a bench), so the comparison stays fair.
 
 The kernel is compiled once per source version with the host's C++ compiler (about two
-seconds) into ``$GRAFT_KERNEL_DIR`` (default ``~/.cache/sglang-graft/kernels``) and
+seconds) into ``$SGLANG_GRAFT_CACHE/kernels`` (default ``~/.cache/sglang-graft/kernels``) and
 loaded with ctypes; its OpenMP threads are PyTorch's own (``torch.set_num_threads``).
 """
 
@@ -32,7 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import TypeVar
 
-import torch
+import torch  # imported before the library loads, so it links PyTorch's OpenMP runtime
+
+from sglang_graft.compiled import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +119,12 @@ def _compiler() -> str | None:
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Build (once per source version) and load the kernel library."""
-    import torch  # noqa: F401  (loaded first, so the library links PyTorch's OpenMP runtime)
-
     problem = _platform_problem()
     if problem is not None:
         raise RuntimeError(f"the CPU linear kernel cannot run here: {problem}")
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("GRAFT_KERNEL_DIR") or Path.home() / ".cache" / "sglang-graft" / "kernels")
+    folder = cache_root() / "kernels"
     path = folder / f"cpu_linear-{digest}.so"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -187,6 +187,12 @@ def share_linear(cls: type[LinearT], linear: torch.nn.Linear) -> LinearT:
     return out
 
 
+def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put ``module`` where ``model.get_submodule(name)`` was."""
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
 class KernelLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward runs ``cpu_linear`` (build one with ``share_linear``).
 
@@ -207,7 +213,6 @@ def use_cpu_kernel(model: torch.nn.Module) -> int:
     swapped = 0
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.Linear and module.weight.dtype in _WEIGHT_DTYPES and module.weight.is_contiguous():
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, share_linear(KernelLinear, module))
+            replace_module(model, name, share_linear(KernelLinear, module))
             swapped += 1
     return swapped

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from sglang_graft.engine.cpu_linear import KernelLinear, share_linear
+from sglang_graft.engine.cpu_linear import KernelLinear, replace_module, share_linear
 
 #: Linear layers left in the loaded dtype, by the last part of their module name: the MLP
 #: output projection of Llama/Qwen-style decoders (see the module docstring).
@@ -69,8 +69,7 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     # The other layers are quantized, which takes plain nn.Linear modules.
     swaps = {**{n: share_linear(torch.nn.Linear, m) for n, m in out.named_modules() if type(m) is KernelLinear}, **kept}
     for name, linear in swaps.items():
-        parent, _, attr = name.rpartition(".")
-        setattr(out.get_submodule(parent) if parent else out, attr, linear)
+        replace_module(out, name, linear)
     quantized = {
         name: torch.ao.quantization.per_channel_dynamic_qconfig
         for name, m in out.named_modules()
