@@ -3,7 +3,13 @@ the batched implementations they check."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Where the engine tests put their models: the CPU in CI; scripts/gpu_check.sh runs the same
+# tests with SGLANG_GRAFT_TEST_DEVICE=cuda, so the engine is checked on a GPU by its own suite.
+TEST_DEVICE = torch.device(os.environ.get("SGLANG_GRAFT_TEST_DEVICE", "cpu"))
 
 
 def random_parents(n: int, gen: torch.Generator) -> list[int]:

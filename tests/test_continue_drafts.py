@@ -13,6 +13,7 @@ from array import array
 import pytest
 import torch
 
+from helpers import TEST_DEVICE
 from sglang_graft.candidates import Source
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.graft import graft_below
@@ -174,7 +175,7 @@ def test_graft_with_draft_continuations_is_lossless(anchors, monkeypatch):
     """Greedy graft output equals plain decoding with continuations on and off, and the
     continuations do reach the tree (a short minimum match, so tiny models trigger it)."""
     torch.set_num_threads(1)
-    target, draft = tiny_models("qwen2", vocab_size=120, seed=4, hidden=32)
+    target, draft = (m.to(TEST_DEVICE) for m in tiny_models("qwen2", vocab_size=120, seed=4, hidden=32))
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [9, 1, 9, 2, 9, 1, 9, 2, 9], [3, 4]]
     ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 30)
     grafted = []
@@ -186,7 +187,7 @@ def test_graft_with_draft_continuations_is_lossless(anchors, monkeypatch):
         return below
 
     monkeypatch.setattr(Retriever, "propose_below", spy)
-    retriever = Retriever(RetrieverConfig(vocab_size=120, below_min_match=2))
+    retriever = Retriever(RetrieverConfig(vocab_size=120, below_min_match=2, device=str(TEST_DEVICE)))
     config = EngineConfig(
         policy="graft", num_nodes=8, draft_depth=3, draft_topk=2, draft_cost_ratio=0.01, continue_drafts=anchors
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import TEST_DEVICE
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine.drafter import ModelDrafter
@@ -127,7 +128,7 @@ def test_invalid_seeds_are_neither_proposed_nor_reused(draft64):
 @pytest.mark.parametrize("seed_draft", [True, False])
 def test_seeded_graft_is_lossless(seed_draft):
     torch.set_num_threads(1)
-    target, draft = tiny_models("llama", vocab_size=120, seed=4, hidden=32)
+    target, draft = (m.to(TEST_DEVICE) for m in tiny_models("llama", vocab_size=120, seed=4, hidden=32))
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 1, 9, 2, 9, 1, 9], [3, 4]]
     ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 30)
     config = EngineConfig(policy="graft", num_nodes=8, draft_depth=3, draft_topk=2, seed_draft=seed_draft)

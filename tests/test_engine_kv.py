@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from helpers import TEST_DEVICE
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
 
@@ -16,7 +17,7 @@ PROMPTS = [[4, 5, 6, 7, 8, 9, 4, 5, 6], [20, 21], [30, 31, 32, 33, 34]]
 @pytest.fixture(scope="module")
 def pair64():
     torch.set_num_threads(1)
-    return tiny_models("qwen3", vocab_size=150, seed=5, hidden=32, dtype=torch.float64)
+    return tuple(m.to(TEST_DEVICE) for m in tiny_models("qwen3", vocab_size=150, seed=5, hidden=32, dtype=torch.float64))
 
 
 def _next_logits(model, kv: PaddedKV, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -48,16 +49,16 @@ def test_compacted_caches_equal_a_fresh_forward(pair64, policy, drafts):
         # Target: every verified token but the root is cached; feeding the root must give
         # the same logits as a cache-free forward over the whole sequence.
         assert run.target_kv.lengths.tolist() == [len(s) - 1 for s in sequences]
-        roots, root_valid = left_pad([s[-1:] for s in sequences], 0, "cpu")
+        roots, root_valid = left_pad([s[-1:] for s in sequences], 0, TEST_DEVICE)
         cached = _next_logits(target, run.target_kv, roots, root_valid)
         # Draft: it has read everything but the pending tokens (which end at the root).
         pending = run.pending_valid.sum(dim=1)
         assert run.drafter.kv.lengths.tolist() == [len(s) - int(k) for s, k in zip(sequences, pending)]
         draft_cached = _next_logits(draft, run.drafter.kv, run.pending, run.pending_valid)
         for b, s in enumerate(sequences):
-            fresh = target(torch.tensor([s])).logits[0, -1]
+            fresh = target(torch.tensor([s], device=TEST_DEVICE)).logits[0, -1]
             torch.testing.assert_close(cached[b], fresh, rtol=0, atol=1e-9)
-            fresh_d = draft(torch.tensor([s])).logits[0, -1]
+            fresh_d = draft(torch.tensor([s], device=TEST_DEVICE)).logits[0, -1]
             torch.testing.assert_close(draft_cached[b], fresh_d, rtol=0, atol=1e-9)
 
 
@@ -80,7 +81,7 @@ def test_commit_repacks_rows_right_aligned():
 
 def test_draft_reuses_the_kv_of_accepted_draft_nodes():
     torch.set_num_threads(1)
-    target, draft = tiny_models("llama", vocab_size=200, seed=1, hidden=32)
+    target, draft = (m.to(TEST_DEVICE) for m in tiny_models("llama", vocab_size=200, seed=1, hidden=32))
     reads: list[int] = []
     handle = draft.register_forward_pre_hook(lambda m, a, k: reads.append(k["input_ids"].shape[1]), with_kwargs=True)
     try:

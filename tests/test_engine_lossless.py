@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import TEST_DEVICE
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -26,7 +27,7 @@ PROMPTS = [
 @pytest.fixture(scope="module", params=ARCHS)
 def pair(request):
     torch.set_num_threads(1)
-    target, draft = tiny_models(request.param, vocab_size=200, seed=1, hidden=32)
+    target, draft = (m.to(TEST_DEVICE) for m in tiny_models(request.param, vocab_size=200, seed=1, hidden=32))
     engine = SpecEngine(target, draft, EngineConfig(policy="ar"))
     ref = [engine.generate([p], NEW_TOKENS).requests[0].token_ids for p in PROMPTS]
     return target, draft, ref
@@ -35,7 +36,7 @@ def pair(request):
 def test_ar_matches_transformers_greedy(pair):
     target, _, ref = pair
     for p, r in zip(PROMPTS, ref):
-        out = target.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+        out = target.generate(torch.tensor([p], device=TEST_DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
         assert out[0, len(p) :].tolist() == r
     batched = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, NEW_TOKENS)
     assert [r.token_ids for r in batched.requests] == ref

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers import TEST_DEVICE
 from sglang_graft.engine import EngineConfig, SamplingConfig, SpecEngine, tiny_models
 from sglang_graft.verify import target_distribution
 
@@ -16,7 +17,7 @@ PROMPT = [1, 2, 3, 4, 5, 2, 3]
 @pytest.fixture(scope="module")
 def small_vocab():
     torch.set_num_threads(1)
-    return tiny_models("llama", vocab_size=12, seed=3, hidden=32, draft_noise=0.2)
+    return tuple(m.to(TEST_DEVICE) for m in tiny_models("llama", vocab_size=12, seed=3, hidden=32, draft_noise=0.2))
 
 
 def _chi2_critical(df: int, z: float = 3.09) -> float:
@@ -41,7 +42,7 @@ def test_first_token_follows_target_distribution(small_vocab, policy, sampling):
     out = engine.generate([PROMPT] * trials, max_new_tokens=2, sampling=sampling, seed=11)
     first = torch.tensor([r.token_ids[0] for r in out.requests])
     with torch.no_grad():
-        logits = target(torch.tensor([PROMPT])).logits[0, -1]
+        logits = target(torch.tensor([PROMPT], device=TEST_DEVICE)).logits[0, -1].cpu()
     p = target_distribution(logits, sampling.temperature, sampling.top_p, sampling.top_k).double()
     counts = torch.bincount(first, minlength=p.numel()).double()
     assert counts[p == 0].sum() == 0, "sampled a token the target distribution excludes"
@@ -57,7 +58,7 @@ def test_first_token_follows_target_distribution(small_vocab, policy, sampling):
 
 def test_sampling_is_reproducible_with_a_seed():
     torch.set_num_threads(1)
-    target, draft = tiny_models("qwen2", vocab_size=200, seed=2, hidden=32)
+    target, draft = (m.to(TEST_DEVICE) for m in tiny_models("qwen2", vocab_size=200, seed=2, hidden=32))
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     engine = SpecEngine(target, draft, EngineConfig(policy="dense", num_nodes=6))
     sampling = SamplingConfig(temperature=0.8, top_p=0.95)
