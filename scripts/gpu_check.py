@@ -2,8 +2,10 @@
 
 For every batch size x verify budget it builds one synthetic round (EAGLE-shaped drafts,
 retrieved chains, a target that agrees with part of the tree), runs gating + pruning,
-grafting, packing, greedy and sampled verification, and the SGLang plugin's tree step,
-once on the CPU and once on the chosen device, and requires every output to be equal.
+grafting, packing, greedy and sampled verification, and the SGLang plugin's tree step
+(as the worker runs it: on a GPU its core replayed from CUDA graphs; and with
+``--graft-eager-core``), once on the CPU and once on the chosen device, and requires every
+output to be equal.
 Stage times use CUDA events on a GPU (host timers on a CPU). Optionally, when FlashInfer
 is importable on a GPU, its tree attention over a grafted mask is compared with PyTorch's
 SDPA under the same mask. On a GPU it also captures the round's tensor work (prune, graft,
@@ -49,7 +51,7 @@ from sglang_graft.verify import target_distribution, verify_tree_greedy, verify_
 
 TOPK, STEPS, VOCAB = 4, 5, 2000  # 4 + 4 * 16 = 68 draft candidates: enough for n = 64
 GATES = GateConfig(root_threshold=0.2, depth_thresholds=((1, 0.2), (4, 0.3)), min_node_score=0.01)
-STAGES = ("gate+prune", "graft", "pack", "verify_greedy", "verify_sampled", "plugin_tree_step")
+STAGES = ("gate+prune", "graft", "pack", "verify_greedy", "verify_sampled", "plugin_tree_step", "plugin_eager_core")
 
 
 class _Chains:
@@ -124,7 +126,18 @@ class Timer:
         return out
 
 
-def run_round(case: dict, device: torch.device, timer: Timer) -> dict[str, torch.Tensor]:
+def plugin_builders(case: dict, device: torch.device) -> dict[str, TreeBuilder]:
+    """The plugin's tree step as the worker builds it (its core replayed from CUDA graphs
+    on a GPU) and with ``--graft-eager-core``; made once per config, as a worker does."""
+    chains = _Chains(_to(case["chain"], device))
+    return {
+        stage: TreeBuilder(GraftSettings(policy="graft", gates=GATES, eager_core=eager), case["n"], TOPK, STEPS,
+                           chains, device)
+        for stage, eager in (("plugin_tree_step", False), ("plugin_eager_core", True))
+    }
+
+
+def run_round(case: dict, device: torch.device, timer: Timer, builders: dict[str, TreeBuilder]) -> dict[str, torch.Tensor]:
     """Every stage on ``device``; returns all outputs on the CPU."""
     c = {k: _to(v, device) for k, v in case.items()}
     bs, n = c["bs"], c["n"]
@@ -155,15 +168,14 @@ def run_round(case: dict, device: torch.device, timer: Timer) -> dict[str, torch
         "verify_sampled",
         lambda: verify_tree_sampled(tree.tokens, nxt, sib, probs, c["uniforms"], c["bonus_uniforms"]),
     )
-    builder = TreeBuilder(GraftSettings(policy="graft", gates=GATES), n, TOPK, STEPS, _Chains(c["chain"]), device)
-
-    def plugin_step():
+    def plugin_step(builder: TreeBuilder):
         continues = [builder.draft_continues(d + 1, c["score_list"][d]) for d in range(STEPS - 1)]
         flat = flatten_draft_steps(c["score_list"], c["token_list"], c["parents_list"], continues)
         rids = [f"r{i}" for i in range(bs)]
         return builder.build(rids, c["roots"], DraftOutputs.from_flat(*flat, topk=TOPK), c["seq_lens"], "full", seq_sum)
 
-    step = timer.run("plugin_tree_step", plugin_step)
+    steps = {stage: timer.run(stage, lambda: plugin_step(b)) for stage, b in builders.items()}
+    step = steps["plugin_tree_step"]
     out = {f"tree.{f}": getattr(tree, f) for f in ("tokens", "parents", "depths", "scores", "sources", "bins")}
     out["num_merged"] = result.num_merged
     out.update({f"layout.{k}": v for k, v in layout._asdict().items()})
@@ -171,6 +183,7 @@ def run_round(case: dict, device: torch.device, timer: Timer) -> dict[str, torch
     out.update({f"sampled.{k}": v for k, v in sampled._asdict().items()})
     out.update({f"plugin.{k}": v for k, v in step.layout._asdict().items()})
     out["plugin.tree.sources"] = step.tree.sources
+    out.update({f"plugin_eager.{k}": v for k, v in steps["plugin_eager_core"].layout._asdict().items()})
     return {k: v.detach().cpu() for k, v in out.items()}
 
 
@@ -339,22 +352,23 @@ def main() -> int:
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "reps": reps, "configs": []}
     print(f"gpu_check on {info['device']} (torch {torch.__version__}), {reps} timed rounds per config")
-    print(f"{'bs':>4} {'n':>4}  " + " ".join(f"{s:>16}" for s in STAGES) + "  (ms, median)  equal")
+    print(f"{'bs':>4} {'n':>4}  " + " ".join(f"{s:>17}" for s in STAGES) + "  (ms, median)  equal")
     failed = False
     for bs in map(int, args.batch_sizes.split(",")):
         for n in map(int, args.budgets.split(",")):
             case = make_case(bs, n, seed=1000 * bs + n)
-            reference = run_round(case, torch.device("cpu"), Timer(torch.device("cpu")))
-            timer = Timer(device)
-            run_round(case, device, timer)  # warm-up (allocator, kernels)
+            cpu = torch.device("cpu")
+            reference = run_round(case, cpu, Timer(cpu), plugin_builders(case, cpu))
+            builders = plugin_builders(case, device)
+            run_round(case, device, Timer(device), builders)  # warm-up (allocator, kernels, graph capture)
             timer = Timer(device)
             for _ in range(reps):
-                outputs = run_round(case, device, timer)
+                outputs = run_round(case, device, timer, builders)
             differing = compare(reference, outputs)
             failed |= bool(differing)
             med = {s: sorted(v)[len(v) // 2] for s, v in timer.ms.items()}
             accepted = reference["greedy.accept_num"].float().mean().item()
-            print(f"{bs:>4} {n:>4}  " + " ".join(f"{med[s]:>16.3f}" for s in STAGES)
+            print(f"{bs:>4} {n:>4}  " + " ".join(f"{med[s]:>17.3f}" for s in STAGES)
                   + f"  {'yes' if not differing else 'NO: ' + ', '.join(differing)}")
             config = {"bs": bs, "n": n, "median_ms": med, "differing": differing, "mean_greedy_accepted": accepted}
             if device.type == "cuda":

@@ -10,7 +10,9 @@
 #    CPU reference, round for round; FlashInfer's tree attention vs SDPA when flashinfer is
 #    importable (or a wheel is given in FLASHINFER_WHEEL and installs offline).
 # 2. engine: the reference engine's own lossless, sampling and KV tests with their models on
-#    the GPU (SGLANG_GRAFT_TEST_DEVICE=cuda): every policy equals plain decoding there.
+#    the GPU (SGLANG_GRAFT_TEST_DEVICE=cuda): every policy equals plain decoding there; and
+#    the core's CUDA graphs (round, gate, engine with --compile-core, the plugin's tree step)
+#    against the eager ops.
 # 3. cli: `sglang-graft generate --device cuda` for every policy (token ids must agree) and a
 #    small `sglang-graft bench --device cuda` on the tiny pair, transformers' baselines too.
 #    The bench reads GPU_CHECK_QUESTIONS (default ../shared/data/spec_bench_question.jsonl,
@@ -74,7 +76,11 @@ part core "${GPU_CHECK_TIMEOUT:-240}" "$PY" scripts/gpu_check.py --out "$OUT_DIR
 if [ "$has_cuda" = 1 ]; then
   part engine 150 env SGLANG_GRAFT_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider --tb=short \
     tests/test_engine_lossless.py tests/test_engine_sampling.py tests/test_engine_kv.py \
-    tests/test_continue_drafts.py tests/test_draft_seeds.py
+    tests/test_continue_drafts.py tests/test_draft_seeds.py \
+    tests/test_compiled.py::test_cuda_graph_round_equals_eager_and_reads_live_calibration \
+    tests/test_compiled.py::test_cuda_graph_gate_equals_eager_and_runs_eagerly_inside_a_capture \
+    tests/test_compiled.py::test_engine_with_cuda_graph_core_is_lossless \
+    tests/test_compiled.py::test_sglang_tree_builder_replays_the_round_on_cuda
   part cli 120 "$PY" scripts/gpu_cli_check.py --device cuda --questions "$QUESTIONS" --out "$OUT_DIR/bench"
 else
   echo "[gpu_check] no CUDA device: parts 'engine' and 'cli' skipped"

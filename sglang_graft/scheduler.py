@@ -79,7 +79,8 @@ class SchedulerConfig:
         draft_depth: the drafter's deepest level (the cost look-ahead's horizon).
         compile_core: build each round's tree, and the online gates' estimate and verdict after each
             draft level, with ``sglang_graft.compiled`` (the same code, compiled once per
-            shape by AOTInductor) instead of eager PyTorch.
+            shape by AOTInductor on a CPU, captured in a CUDA graph on a GPU) instead of
+            eager PyTorch.
         verify_costs: ``(tokens, cost)`` points of what a verify forward costs on this host
             (``sglang_graft.cost.VerifyCost``). When set, every policy but ``dense`` (whose
             tree is EAGLE's own, its scores uncalibrated) verifies only the best ``w <= n``

@@ -8,12 +8,13 @@ and few shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 
-from helpers import simulate_eagle_draft
+from helpers import TEST_DEVICE, simulate_eagle_draft
 from sglang_graft import compiled as compiled_mod
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.compiled import CompiledGate, CompiledRound, CompileError, pad_candidates
@@ -241,3 +242,116 @@ def test_cache_is_bounded_and_left_over_temp_files_go(tmp_path, monkeypatch):
     compiled_mod._tidy(tmp_path, keep=tmp_path / "round-0.pt2")
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["round-0.pt2", "round-2.pt2", "round-3.pt2", "round-4.pt2", "tmpnew.pt2"]
+
+
+needs_cuda = pytest.mark.skipif(
+    TEST_DEVICE.type != "cuda",
+    reason="CUDA graphs of the round: run with SGLANG_GRAFT_TEST_DEVICE=cuda on a GPU (scripts/gpu_check.sh does)",
+)
+
+
+def on_device(c: Candidates) -> Candidates:
+    return Candidates(**{f.name: None if getattr(c, f.name) is None else getattr(c, f.name).to(TEST_DEVICE)
+                         for f in dataclasses.fields(Candidates)})
+
+
+def device_round(seed: int, bs: int = BS):
+    drafts, continues, retrieved, roots = eagle_round(seed, bs)
+    return on_device(drafts), continues.to(TEST_DEVICE), on_device(retrieved), roots.to(TEST_DEVICE)
+
+
+@needs_cuda
+def test_cuda_graph_round_equals_eager_and_reads_live_calibration(tmp_path):
+    """On CUDA, ``CompiledRound`` replays a captured graph: equal to the eager round before
+    and after the calibration moves, across batch buckets, with nothing written to disk."""
+    pruner = ConfidencePruner(GATES, device=TEST_DEVICE)
+    round_ = CompiledRound(pruner, N, tmp_path)
+    drafts, continues, retrieved, roots = device_round(1)
+    with torch.inference_mode():
+        before = round_(roots, drafts, continues, retrieved)
+        assert_same(before, eager(pruner, drafts, continues, retrieved, roots))
+        depths = torch.ones(64, dtype=torch.int64, device=TEST_DEVICE)
+        bins = torch.arange(64, device=TEST_DEVICE) % GATES.num_bins
+        pruner.calibrator.observe(depths, bins, torch.zeros(64, dtype=torch.bool, device=TEST_DEVICE))
+        after = round_(roots, drafts, continues, retrieved)
+        assert_same(after, eager(pruner, drafts, continues, retrieved, roots))
+        for seed, bs in ((2, 2), (3, 3), (4, 1)):
+            d, c, r, roots = device_round(seed, bs)
+            got = round_.bucketed(roots, d, list(c.unbind(1)), r, STEPS - 1)
+            assert_same(got, eager(pruner, d, c, r, roots))
+    assert not torch.equal(before.tree.scores, after.tree.scores)
+    assert len(round_._runners) == 4  # bs 2 (twice), 4 (bucket of 3), 1
+    assert not any(tmp_path.iterdir()), "a CUDA graph needs no package on disk"
+
+
+@needs_cuda
+def test_cuda_graph_gate_equals_eager_and_runs_eagerly_inside_a_capture():
+    pruner = ConfidencePruner(GATES, device=TEST_DEVICE)
+    gate = CompiledGate(pruner)
+    gen = torch.Generator().manual_seed(5)
+    level = [torch.rand(3, TOPK, TOPK, generator=gen).to(TEST_DEVICE) for _ in range(3)]
+    with torch.inference_mode():
+        for d, s in enumerate(level, start=1):
+            got, want = gate.gate(d, s), pruner.gate(d, s)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), d
+    runners = len(gate._runners)
+    # Inside a caller's capture (SGLang's draft CUDA graph) the eager ops are captured instead.
+    static = level[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = gate.gate(1, static)
+    static.copy_(level[1])
+    graph.replay()
+    want = pruner.gate(1, level[1])
+    assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
+    assert len(gate._runners) == runners
+
+
+@needs_cuda
+def test_engine_with_cuda_graph_core_is_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(tmp_path))
+    target, draft = (m.to(TEST_DEVICE) for m in tiny_models("llama", vocab_size=200, seed=1, hidden=32))
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18, 11, 12, 13, 14, 15], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7]]
+    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 24).requests
+    for policy in ("pruned", "graft"):
+        settings = dict(policy=policy, num_nodes=8, draft_depth=3, draft_topk=2, draft_cost_ratio=0.3)
+        plain = SpecEngine(target, draft, EngineConfig(**settings)).generate(prompts, 24).requests
+        fast = SpecEngine(target, draft, EngineConfig(**settings, compile_core=True)).generate(prompts, 24).requests
+        for f, p, a in zip(fast, plain, ar):
+            assert f.token_ids == a.token_ids, policy
+            assert (f.rounds, f.draft_forwards, f.accepted) == (p.rounds, p.draft_forwards, p.accepted), policy
+        assert sum(sum(f.accepted.values()) for f in fast) > 0
+    assert not (tmp_path / "compiled").exists()
+
+
+@needs_cuda
+def test_sglang_tree_builder_replays_the_round_on_cuda():
+    """The plugin's tree step with its default (graphed) core against ``--graft-eager-core``,
+    over rounds whose outcomes move the calibration in between."""
+    from sglang_graft.sglang.settings import GraftSettings
+    from sglang_graft.sglang.tree_step import DraftOutputs, TreeBuilder, flatten_draft_steps
+
+    gates = GateConfig(mode="online", root_threshold=0.1, depth_thresholds=((2, 0.2),), min_node_score=0.02)
+    builders = [TreeBuilder(GraftSettings(policy="pruned", gates=gates, eager_core=eager), 8, TOPK, STEPS,
+                            device=TEST_DEVICE) for eager in (False, True)]
+    assert builders[0].scheduler.compiled is not None and builders[1].scheduler.compiled is None
+    for seed in range(6):
+        bs = 1 + seed % 3
+        gen = torch.Generator().manual_seed(seed)
+        s, t, p = (list(map(lambda x: x.to(TEST_DEVICE), xs)) for xs in simulate_eagle_draft(bs, TOPK, STEPS, 50, gen))
+        roots = torch.randint(0, 50, (bs,), generator=gen).to(TEST_DEVICE)
+        seq_lens = torch.randint(4, 30, (bs,), generator=gen).to(TEST_DEVICE)
+        rids = [f"r{i}" for i in range(bs)]
+        out = []
+        for b in builders:
+            continues = [b.draft_continues(d + 1, s[d]) for d in range(STEPS - 1)]
+            drafts = DraftOutputs.from_flat(*flatten_draft_steps(s, t, p, continues), topk=TOPK)
+            out.append(b.build(rids, roots, drafts, seq_lens, "full", int(seq_lens.sum())))
+        for name in ("tokens", "parents", "scores", "sources"):
+            assert torch.equal(getattr(out[0].tree, name), getattr(out[1].tree, name)), (seed, name)
+        for a, b in zip(out[0].layout, out[1].layout):
+            assert torch.equal(a, b), seed
+        accepted = torch.rand(bs, 8, generator=gen).to(TEST_DEVICE) < 0.5
+        accepted[:, 0] = True
+        for b, o in zip(builders, out):
+            b.scheduler.observe(rids, o.tree, accepted)

@@ -219,6 +219,15 @@ def test_settings_from_environment(monkeypatch):
         graft_settings.settings_of(SimpleNamespace())
 
 
+def test_graphed_core_on_cuda_unless_eager_core(monkeypatch):
+    defaults = graft_settings.GraftSettings()
+    assert defaults.scheduler_config(8, "cuda").compile_core  # replayed from CUDA graphs
+    assert not defaults.scheduler_config(8, "cpu").compile_core  # no AOTInductor builds behind the user's back
+    monkeypatch.setenv(graft_settings.ENV_ARGS, "--graft-eager-core")
+    s = graft_settings.settings_of(SimpleNamespace())
+    assert s.eager_core and not s.scheduler_config(8, "cuda").compile_core
+
+
 def _resolved(**overrides):
     base = dict(
         speculative_algorithm="GRAFT", speculative_draft_model_path="d", speculative_eagle_topk=4,

@@ -18,6 +18,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from sglang_graft.prune import GATE_MODES, GateConfig
 from sglang_graft.scheduler import POLICIES, SchedulerConfig
 
@@ -40,6 +42,9 @@ class GraftSettings:
         sources: enabled retrieval sources, a subset of ``SOURCE_FLAGS`` in that order.
         history_max_tokens: token bound of the shared history index (LRU beyond it).
         log_interval: verify rounds between per-source acceptance log lines (0: never).
+        eager_core: on CUDA, build each round's tree with eager ops instead of replaying
+            it from a CUDA graph (one graph per batch and width bucket, captured on first
+            use); for debugging, the trees are the same.
     """
 
     policy: str = "graft"
@@ -47,6 +52,7 @@ class GraftSettings:
     sources: tuple[str, ...] = SOURCE_FLAGS
     history_max_tokens: int = 1 << 22
     log_interval: int = 200
+    eager_core: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -61,9 +67,11 @@ class GraftSettings:
         if self.policy in ("graft", "retrieval") and not self.sources:
             raise ValueError(f"--graft-policy {self.policy} needs at least one of --graft-sources {SOURCE_FLAGS}")
 
-    def scheduler_config(self, num_nodes: int) -> SchedulerConfig:
-        """The core scheduler's settings for a verify budget of ``num_nodes`` (root included)."""
-        return SchedulerConfig(policy=self.policy, num_nodes=num_nodes, gates=self.gates)
+    def scheduler_config(self, num_nodes: int, device: torch.device | str = "cpu") -> SchedulerConfig:
+        """The core scheduler's settings for a verify budget of ``num_nodes`` (root included)
+        on ``device`` (CUDA graphs of the round there, unless ``eager_core``)."""
+        graphed = torch.device(device).type == "cuda" and not self.eager_core
+        return SchedulerConfig(policy=self.policy, num_nodes=num_nodes, gates=self.gates, compile_core=graphed)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +97,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="Token bound of the history index fed from the radix cache (LRU eviction beyond it).")
     g.add_argument("--graft-log-interval", type=int, default=d.log_interval,
                    help="Verify rounds between log lines of accepted tokens per source (0: never).")
+    g.add_argument("--graft-eager-core", action="store_true",
+                   help="Build each round's tree with eager PyTorch ops instead of replaying it from a "
+                        "CUDA graph (for debugging; the trees are the same).")
 
 
 def settings_from_namespace(ns: argparse.Namespace | Any) -> GraftSettings:
@@ -109,6 +120,7 @@ def settings_from_namespace(ns: argparse.Namespace | Any) -> GraftSettings:
         sources=_parse_sources(ns.graft_sources),
         history_max_tokens=ns.graft_history_max_tokens,
         log_interval=ns.graft_log_interval,
+        eager_core=ns.graft_eager_core,
     )
 
 

@@ -112,7 +112,7 @@ class TreeBuilder:
         self.num_nodes = num_nodes
         self.topk = topk
         self.num_steps = num_steps
-        self.scheduler = GraftScheduler(settings.scheduler_config(num_nodes), retriever, device=device)
+        self.scheduler = GraftScheduler(settings.scheduler_config(num_nodes, device), retriever, device=device)
 
     @property
     def gates_active(self) -> bool:
