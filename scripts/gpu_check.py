@@ -100,7 +100,7 @@ def _to(x, device: torch.device):
     if isinstance(x, list):
         return [_to(v, device) for v in x]
     if isinstance(x, Candidates):
-        return Candidates(*(getattr(x, f).to(device) for f in ("tokens", "parents", "scores", "sources", "valid", "bins")))
+        return x.to(device)
     return x
 
 
@@ -228,11 +228,13 @@ def graph_capture_check(case: dict, device: torch.device, reps: int) -> dict:
 def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -> list[dict]:
     """Retrieval on ``device`` against the CPU reference, round for round.
 
-    Both retrievers get the same synthetic stream (``bench_retrieval``'s documents and
+    Three retrievers get the same synthetic stream (``bench_retrieval``'s documents and
     verify rounds, Qwen3's vocabulary): the CPU one as the reference engine runs it (host
-    loops up to bs=8, tensor ops above), the device one with tensor ops only (on the CPU
-    itself too, so this also checks the two CPU paths against each other). Every proposal
-    must match (padding columns aside); the device's propose and observe are timed.
+    loops up to bs=8, tensor ops above), one on the device with tensor ops only (on the CPU
+    itself too, so this also checks the two CPU paths against each other), and one as the
+    workers run it: on the host, proposals handed to the device and trees observed from
+    there (``output_device``; timed with its copies as ``host_propose``/``host_observe``).
+    Every proposal must match (padding columns aside).
     """
     from bench_retrieval import document, target_topk, verify_round  # scripts/ is this script's directory
 
@@ -248,6 +250,7 @@ def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -
         retrievers = [
             Retriever(RetrieverConfig(vocab_size=vocab)),
             Retriever(RetrieverConfig(vocab_size=vocab, device=str(device), host_loop_max_batch=0)),
+            Retriever(RetrieverConfig(vocab_size=vocab, output_device=str(device))),  # what the workers run
         ]
         for r in retrievers:
             for doc in pool:
@@ -259,19 +262,21 @@ def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -
         pos, differing = [context] * bs, 0
         for _ in range(rounds):
             ref = retrievers[0].propose(rids, budget)
-            got = _to(timer.run("propose", lambda: retrievers[1].propose(rids, budget)), torch.device("cpu"))
-            same = torch.equal(got.valid, ref.valid) and all(
-                torch.equal(torch.where(ref.valid, getattr(got, f), 0), torch.where(ref.valid, getattr(ref, f), 0))
-                for f in ("tokens", "parents", "scores", "sources", "bins")
-            )
-            differing += not same
+            for name, r in (("", retrievers[1]), ("host_", retrievers[2])):
+                got = timer.run(f"{name}propose", lambda: r.propose(rids, budget)).to("cpu")
+                differing += not (torch.equal(got.valid, ref.valid) and all(
+                    torch.equal(torch.where(ref.valid, getattr(got, f), 0), torch.where(ref.valid, getattr(ref, f), 0))
+                    for f in ("tokens", "parents", "scores", "sources", "bins")
+                ))
             roots = torch.tensor([d[p - 1] for d, p in zip(docs, pos)])
             truth = torch.tensor([d[p : p + budget + 1] for d, p in zip(docs, pos)])
             tokens, parents, sources, bins, accepted, acc_len = verify_round(ref, roots, truth)
             topk = target_topk(parents, accepted, truth, vocab, gen)
             tree = (tokens, parents, sources, accepted, topk)
             retrievers[0].observe(rids, *tree, tree_bins=bins)
-            timer.run("observe", lambda: retrievers[1].observe(rids, *_to(list(tree), device), tree_bins=bins.to(device)))
+            on_device = _to(list(tree), device), bins.to(device)
+            timer.run("observe", lambda: retrievers[1].observe(rids, *on_device[0], tree_bins=on_device[1]))
+            timer.run("host_observe", lambda: retrievers[2].observe(rids, *on_device[0], tree_bins=on_device[1]))
             emitted = [d[p : p + n + 1] for d, p, n in zip(docs, pos, acc_len.tolist())]
             for r in retrievers:
                 for rid, toks in zip(rids, emitted):
@@ -284,7 +289,7 @@ def retrieval_check(device: torch.device, batch_sizes: list[int], rounds: int) -
                 "rounds": rounds,
                 "differing_rounds": differing,
                 "us_per_request_round": {k: round(v * 1e3 / bs, 1) for k, v in med.items()},
-                "stats_equal": retrievers[0].stats() == retrievers[1].stats(),
+                "stats_equal": retrievers[0].stats() == retrievers[1].stats() == retrievers[2].stats(),
             }
         )
     return results

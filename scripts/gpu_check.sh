@@ -12,7 +12,7 @@
 # 2. engine: the reference engine's own lossless, sampling and KV tests with their models on
 #    the GPU (SGLANG_GRAFT_TEST_DEVICE=cuda): every policy equals plain decoding there; and
 #    the core's CUDA graphs (round, gate, engine with --compile-core, the plugin's tree step)
-#    against the eager ops.
+#    against the eager ops; retrieval on the host handing its proposals to the GPU.
 # 3. cli: `sglang-graft generate --device cuda` for every policy (token ids must agree) and a
 #    small `sglang-graft bench --device cuda` on the tiny pair, transformers' baselines too.
 #    The bench reads GPU_CHECK_QUESTIONS (default ../shared/data/spec_bench_question.jsonl,
@@ -80,7 +80,8 @@ if [ "$has_cuda" = 1 ]; then
     tests/test_compiled.py::test_cuda_graph_round_equals_eager_and_reads_live_calibration \
     tests/test_compiled.py::test_cuda_graph_gate_equals_eager_and_runs_eagerly_inside_a_capture \
     tests/test_compiled.py::test_engine_with_cuda_graph_core_is_lossless \
-    tests/test_compiled.py::test_sglang_tree_builder_replays_the_round_on_cuda
+    tests/test_compiled.py::test_sglang_tree_builder_replays_the_round_on_cuda \
+    tests/test_retrieval_retriever.py::test_rounds_on_the_host_with_proposals_handed_to_another_device
   part cli 120 "$PY" scripts/gpu_cli_check.py --device cuda --questions "$QUESTIONS" --out "$OUT_DIR/bench"
 else
   echo "[gpu_check] no CUDA device: parts 'engine' and 'cli' skipped"

@@ -75,6 +75,13 @@ class Candidates:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    def to(self, device: torch.device | str) -> "Candidates":
+        """The same candidates on ``device`` (itself when already there)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return Candidates(*(None if t is None else t.to(device) for t in (
+            self.tokens, self.parents, self.scores, self.sources, self.valid, self.bins, self.depths, self.levels)))
+
     @staticmethod
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "Candidates":
         """No proposals for any request (a dry source)."""

@@ -14,8 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import TEST_DEVICE
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.retrieval import RETRIEVAL_SOURCES, RetrievalCalibration, Retriever, RetrieverConfig, match_bin
+from sglang_graft.retrieval.retriever import _fetch
 
 VOCAB = 64
 
@@ -78,7 +80,10 @@ class Round:
         self.accepted = accepted
 
     def observe(self, r: Retriever, rids: list, topk: torch.Tensor | None = None) -> None:
-        r.observe(rids, self.tokens, self.parents, self.sources, self.accepted, topk, tree_bins=self.bins)
+        """Observed from where ``r`` hands its proposals (a GPU worker's trees are on the GPU)."""
+        tree = [t.to(r.output_device) for t in (self.tokens, self.parents, self.sources, self.accepted)]
+        topk = None if topk is None else topk.to(r.output_device)
+        r.observe(rids, *tree, topk, tree_bins=self.bins.to(r.output_device))
 
 
 # ----------------------------------------------------------------------------- proposals
@@ -407,6 +412,8 @@ def _scenario(retrievers: list[Retriever], seed: int = 3, rounds: int = 60, exac
             continue
         budgets = torch.tensor([rng.randrange(0, 12) for _ in rids])
         outs = [r.propose(rids, budgets) for r in retrievers]
+        assert all(o.tokens.device == r.output_device for o, r in zip(outs, retrievers))
+        outs = [o.to("cpu") for o in outs]
         for o in outs[1:]:
             _assert_same_candidates(o, outs[0], exact_padding)
         c = outs[0]
@@ -452,6 +459,26 @@ def test_host_loops_and_tensor_ops_give_the_same_rounds(seed):
     tensor_only = _fresh(host_loop_max_batch=0)
     _scenario([tensor_only, _fresh(), _fresh(host_loop_max_batch=2)], seed=seed, rounds=80, exact_padding=False)
     assert tensor_only.stats()["recycling"]["accepted"] > 0  # the comparison saw real acceptances
+
+
+@pytest.mark.parametrize("host_loop_max_batch", [8, 0])
+def test_rounds_on_the_host_with_proposals_handed_to_another_device(host_loop_max_batch):
+    """A GPU worker's layout (``output_device``: TEST_DEVICE, so the CPU in CI and the GPU in
+    scripts/gpu_check.sh): proposals arrive there, trees are observed from there, and every
+    round equals a retriever's that never leaves the host."""
+    handed = _fresh(output_device=str(TEST_DEVICE), host_loop_max_batch=host_loop_max_batch)
+    _scenario([_fresh(host_loop_max_batch=host_loop_max_batch), handed], seed=5, exact_padding=False)
+    assert handed.stats()["recycling"]["accepted"] > 0
+
+
+def test_fetch_moves_a_round_in_one_copy_and_keeps_shapes_and_dtypes():
+    tokens = torch.arange(6).view(2, 3)
+    accepted = tokens % 2 == 0
+    topk = torch.arange(24).view(2, 3, 4)
+    got = _fetch(torch.device("cpu"), tokens, accepted, None, topk)
+    assert got[2] is None
+    for want, have in zip((tokens, accepted, topk), (got[0], got[1], got[3])):
+        assert have.dtype == want.dtype and torch.equal(have, want)
 
 
 def test_same_candidates_in_every_process():

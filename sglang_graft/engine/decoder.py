@@ -81,7 +81,7 @@ class SpecEngine:
         self.vocab_size = int(target.config.get_text_config().vocab_size)
         if config.uses_retrieval and retriever is None:
             retriever = Retriever(
-                RetrieverConfig(vocab_size=self.vocab_size, recycling_k=_RECYCLING_K, device=str(self.device))
+                RetrieverConfig(vocab_size=self.vocab_size, recycling_k=_RECYCLING_K, output_device=str(self.device))
             )
         self.retriever = retriever if config.uses_retrieval else None
         sched = config.scheduler_config()

@@ -69,7 +69,12 @@ class RetrieverConfig:
         history_from_finished: feed finished requests into the history (the reference
             engine's mode; inside SGLang the radix-cache glue feeds it instead).
         prior_strength, decay: of the acceptance calibration (``AcceptanceCalibrator``).
-        device: where proposals are returned and the recycling table lives.
+        device: where the recycling table lives and the rounds run.
+        output_device: where proposals are returned (and the trees to observe come
+            from); None: ``device``. A GPU worker runs retrieval on the host
+            (``device="cpu"``, host loops for small batches) and hands the GPU one copy of
+            each round's proposals: the indexes are host structures, and on the device
+            every round paid host syncs and a few hundred kernel launches.
         host_loop_max_batch: on the CPU, batches up to this size run ``propose`` and
             ``observe`` as Python loops over host arrays instead of tensor operations
             (same results; on small batches the ops' dispatch cost dominates); 0: never.
@@ -96,6 +101,7 @@ class RetrieverConfig:
     prior_strength: float = 8.0
     decay: float = 0.999
     device: str = "cpu"
+    output_device: str | None = None
     host_loop_max_batch: int = 8
 
     def __post_init__(self) -> None:
@@ -120,6 +126,7 @@ class Retriever:
     def __init__(self, config: RetrieverConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        self.output_device = torch.device(config.output_device or config.device)
         self.recycling: RecyclingTable | None = None
         if config.recycling:
             self.recycling = RecyclingTable(
@@ -216,6 +223,9 @@ class Retriever:
         Negative budgets raise. The width is the largest budget (or less if every source
         is short); padding columns have ``valid`` False.
         """
+        return self._propose(rids, budget).to(self.output_device)
+
+    def _propose(self, rids: Sequence[Hashable], budget: int | torch.Tensor) -> Candidates:
         reqs = [self._get(rid) for rid in rids]
         bs = len(reqs)
         self._check_distinct(rids)
@@ -300,7 +310,7 @@ class Retriever:
             sources=torch.where(valid, int(Source.CONTEXT), int(Source.FILLER)),
             valid=valid,
             bins=padded([r.bins for r in rows], 0, torch.int64),
-        )
+        ).to(self.output_device)
 
     def observe(
         self,
@@ -344,6 +354,13 @@ class Retriever:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like tree_tokens")
         if bs == 0:
             return
+        if tree_tokens.device != self.device:
+            if self.recycling is not None and target_logits is not None and target_topk is None:
+                target_topk = self.recycling.target_ids(tree_tokens, None, logits=target_logits)  # where the logits are
+                target_logits = None
+            tree_tokens, tree_parents, tree_sources, tree_bins, accepted_mask, target_topk = _fetch(
+                self.device, tree_tokens, tree_parents, tree_sources, tree_bins, accepted_mask, target_topk
+            )
         recycle = self.recycling is not None and (target_topk is not None or target_logits is not None)
         ids = None
         if recycle:
@@ -587,3 +604,17 @@ def _block_parents(ctx: HostProposal, hist: HostProposal, first: int) -> list[in
     return [p + first if p >= 0 else -1 for p in ctx.parents] + [
         p + first + len(ctx.tokens) if p >= 0 else -1 for p in hist.parents
     ]
+
+
+def _fetch(device: torch.device, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``[bs, n, ...]`` integer tensors (a ``None`` stays None) moved to ``device`` in one
+    copy: one host sync per round instead of one per tensor."""
+    present = [t for t in tensors if t is not None]
+    bs, n = present[0].shape[:2]
+    widths = [t[0, 0].numel() for t in present]
+    packed = torch.cat([t.reshape(bs, n, -1).long() for t in present], dim=2).to(device)
+    parts = iter(torch.split(packed, widths, dim=2))
+    out: list[torch.Tensor | None] = []
+    for t in tensors:
+        out.append(None if t is None else next(parts).reshape(t.shape).to(t.dtype))
+    return out

@@ -32,7 +32,8 @@ def make_retriever(settings: GraftSettings, vocab_size: int, device: torch.devic
     """The retrieval sources a launch asked for (None when its policy retrieves nothing).
 
     The history index is fed from SGLang's radix cache (``radix_feed``), not from
-    finished requests.
+    finished requests. Retrieval runs on the host and hands ``device`` each round's
+    proposals (``RetrieverConfig.output_device``).
     """
     if settings.policy not in ("graft", "retrieval"):
         return None
@@ -44,7 +45,7 @@ def make_retriever(settings: GraftSettings, vocab_size: int, device: torch.devic
             history="history" in settings.sources,
             history_max_tokens=settings.history_max_tokens,
             history_from_finished=False,
-            device=str(device),
+            output_device=str(device),
         )
     )
 
