@@ -125,8 +125,8 @@ class Retriever:
 
     def __init__(self, config: RetrieverConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        self.output_device = torch.device(config.output_device or config.device)
+        self.device = _concrete(config.device)
+        self.output_device = _concrete(config.output_device or config.device)
         self.recycling: RecyclingTable | None = None
         if config.recycling:
             self.recycling = RecyclingTable(
@@ -618,3 +618,9 @@ def _fetch(device: torch.device, *tensors: torch.Tensor | None) -> list[torch.Te
     for t in tensors:
         out.append(None if t is None else next(parts).reshape(t.shape).to(t.dtype))
     return out
+
+
+def _concrete(device: str) -> torch.device:
+    """The device as its tensors report it (``cuda`` is ``cuda:0`` there), so that
+    comparing it with a tensor's device means what it says."""
+    return torch.empty(0, device=device).device
