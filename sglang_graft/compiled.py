@@ -441,12 +441,17 @@ def load_package(module: torch.nn.Module, flat: tuple[torch.Tensor, ...], path: 
     runner: Runner = loader.boxed_run if loader is not None else (lambda xs: package(*xs))
     with torch.inference_mode():
         got = runner(list(flat))
-    if len(expected) != len(got) or not all(torch.equal(a, b) for a, b in zip(expected, got)):
+    if not _agrees(expected, got):
         raise CompileError(
             f"the compiled package {path} ({what}) disagrees with the eager round on its first inputs; "
             "delete the package to rebuild it, or run without --compile-core"
         )
     return runner
+
+
+def _agrees(expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> bool:
+    """Whether a compiled runner's outputs equal the eager module's, bit for bit."""
+    return len(expected) == len(got) and all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
 class GraphPool:
@@ -497,6 +502,9 @@ def capture_graph(module: torch.nn.Module, flat: tuple[torch.Tensor, ...], what:
         return [out.clone() for out in static_out]
 
     got = run(list(flat))
-    if len(expected) != len(got) or not all(torch.equal(a, b) for a, b in zip(expected, got)):
-        raise CompileError(f"the CUDA graph of {what} disagrees with the eager module on its first inputs")
+    if not _agrees(expected, got):
+        raise CompileError(
+            f"the CUDA graph of {what} disagrees with the eager module on its first inputs; run with the "
+            "eager round instead (without --compile-core; in SGLang, --graft-eager-core) and report this"
+        )
     return run

@@ -13,8 +13,10 @@ The draft worker differs from EAGLE's in two methods:
   graph captures it unchanged; inside a graph all levels run (a graph cannot branch on
   the gates) and the gates prune afterwards.
 * ``draft``: turns those candidates into the verify tree with ``TreeBuilder`` (prune,
-  retrieve into the freed slots, graft, pack) and hands SGLang a ``GraftVerifyInput``
-  with exactly ``--speculative-num-draft-tokens`` nodes per request.
+  retrieve into the freed slots, graft, pack; the pruning and grafting replayed from a
+  CUDA graph per batch bucket unless ``--graft-eager-core``; retrieval runs on the host and
+  hands its proposals over) and gives SGLang a ``GraftVerifyInput`` with exactly
+  ``--speculative-num-draft-tokens`` nodes per request.
 
 After SGLang's verify, the spec worker feeds the accepted path and the target's top-k
 back into calibration and retrieval and attaches per-request accepted tokens by source
