@@ -7,6 +7,8 @@ selects it, so nothing else depends on it.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +18,7 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine.cpu_linear import (
     KernelLinear,
     _library,
+    _warn_fallback,
     cpu_linear,
     unavailable_reason,
     use_cpu_kernel,
@@ -122,14 +125,19 @@ def test_swapped_model_matches_pytorch_and_shares_weights(dtype):
     assert float((ours - theirs).abs().max()) < tol
 
 
-def test_a_failed_build_falls_back_under_auto_and_is_named_under_on(monkeypatch, tmp_path):
+def test_a_failed_build_falls_back_under_auto_and_is_named_under_on(monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(blocker / "cache"))  # mkdir under a file fails
     _library.cache_clear()
+    _warn_fallback.cache_clear()
     try:
         assert "building it failed" in unavailable_reason()
-        assert not wants_cpu_kernel("auto", torch.float32, "cpu")
+        with caplog.at_level(logging.WARNING, logger="sglang_graft"):
+            assert not wants_cpu_kernel("auto", torch.float32, "cpu")
+            assert not wants_cpu_kernel("auto", torch.bfloat16, "cpu")
+        said = [r.getMessage() for r in caplog.records if "PyTorch's own linear layers run instead" in r.getMessage()]
+        assert len(said) == 1 and "building it failed" in said[0], "the fallback is said once, with its reason"
         with pytest.raises(ValueError, match="--cpu-kernel on: building it failed"):
             wants_cpu_kernel("on", torch.float32, "cpu")
     finally:

@@ -104,12 +104,19 @@ def wants_cpu_kernel(mode: str, dtype: torch.dtype, device: str) -> bool:
     else:
         problem = unavailable_reason()
         if problem is not None and mode == "auto":
-            log.warning("--cpu-kernel auto: PyTorch's own linear layers run instead of the CPU kernel: %s", problem)
+            _warn_fallback(problem)
     if problem is None:
         return True
     if mode == "on":
         raise ValueError(f"--cpu-kernel on: {problem}; use --cpu-kernel off or auto")
     return False
+
+
+@functools.cache
+def _warn_fallback(problem: str) -> None:
+    """Say once per process why ``auto`` falls back (the CLI asks before choosing the dtype
+    and again when loading)."""
+    log.warning("--cpu-kernel auto: PyTorch's own linear layers run instead of the CPU kernel: %s", problem)
 
 
 def _compiler() -> str | None:
