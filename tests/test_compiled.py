@@ -8,7 +8,6 @@ and few shapes.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import pytest
@@ -250,14 +249,9 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-def on_device(c: Candidates) -> Candidates:
-    return Candidates(**{f.name: None if getattr(c, f.name) is None else getattr(c, f.name).to(TEST_DEVICE)
-                         for f in dataclasses.fields(Candidates)})
-
-
 def device_round(seed: int, bs: int = BS):
     drafts, continues, retrieved, roots = eagle_round(seed, bs)
-    return on_device(drafts), continues.to(TEST_DEVICE), on_device(retrieved), roots.to(TEST_DEVICE)
+    return drafts.to(TEST_DEVICE), continues.to(TEST_DEVICE), retrieved.to(TEST_DEVICE), roots.to(TEST_DEVICE)
 
 
 @needs_cuda
