@@ -39,6 +39,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM
 
+from sglang_graft.engine.attention import use_gqa_attention
 from sglang_graft.engine.cpu_linear import CPU_KERNEL_MODES, KernelLinear, use_cpu_kernel, wants_cpu_kernel
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft
@@ -105,6 +106,7 @@ def main() -> None:
     timers: dict[str, ForwardTimer] = {}
     for role, path in (("target", args.target), ("draft", args.draft)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        use_gqa_attention(model)
         if wants_cpu_kernel(args.cpu_kernel, model.dtype, "cpu"):
             use_cpu_kernel(model)
         if role == "draft" and args.draft_int8:

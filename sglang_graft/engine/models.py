@@ -30,6 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from sglang_graft.engine.attention import use_gqa_attention
 from sglang_graft.engine.cpu_linear import use_cpu_kernel, wants_cpu_kernel
 
 TINY = "tiny"
@@ -165,6 +166,7 @@ def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_voc
 
 def _load(path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    use_gqa_attention(model)
     return model.to(device).eval()
 
 
@@ -218,6 +220,8 @@ def tiny_models(
         for p in draft.parameters():
             scale = float(p.std()) if p.numel() > 1 else 0.0
             p.add_(torch.randn(p.shape, generator=gen) * draft_noise * scale)
+    for model in (target, draft):
+        use_gqa_attention(model)
     return target.to(dtype).eval(), draft.to(dtype).eval()
 
 

@@ -1,0 +1,62 @@
+"""``engine.attention``: masked grouped-query attention without repeated KV heads computes
+what transformers' ``sdpa`` does, and the models the engine loads use it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from sglang_graft.engine.attention import GQA_SDPA, use_gqa_attention
+from sglang_graft.engine.models import TINY_ARCHS, prepare_pair, tiny_models
+
+
+def _with_sdpa(model: torch.nn.Module) -> torch.nn.Module:
+    plain = copy.deepcopy(model)
+    plain.set_attn_implementation("sdpa")
+    return plain
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_logits_match_sdpa_with_and_without_masks(arch: str) -> None:
+    target, _ = tiny_models(arch, dtype=torch.float64)
+    assert target.config._attn_implementation == GQA_SDPA
+    assert target.config.num_key_value_heads < target.config.num_attention_heads
+    plain = _with_sdpa(target)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 257, (2, 12), generator=gen)
+    # A tree-like 4D mask: causal, row 1 left-padded by 3 columns, one column hidden.
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    mask[1, :, :, :3] = False
+    mask[:, :, 8:, 6] = False
+    mask |= torch.eye(12, dtype=torch.bool)
+    with torch.inference_mode():
+        torch.testing.assert_close(target(x).logits, plain(x).logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            target(x, attention_mask=mask).logits, plain(x, attention_mask=mask).logits, rtol=0, atol=1e-12
+        )
+        # A cached multi-token step (no mask given: transformers builds the causal one).
+        cache_a = target(x[:, :7], use_cache=True).past_key_values
+        cache_b = plain(x[:, :7], use_cache=True).past_key_values
+        torch.testing.assert_close(
+            target(x[:, 7:], past_key_values=cache_a).logits, plain(x[:, 7:], past_key_values=cache_b).logits, rtol=0, atol=1e-12
+        )
+
+
+def test_transformers_generation_unchanged() -> None:
+    target, _ = tiny_models("qwen2", dtype=torch.float32)
+    plain = _with_sdpa(target)
+    prompt = torch.randint(0, 257, (1, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(target.generate(prompt, **kw), plain.generate(prompt, **kw))
+
+
+def test_loaded_pair_uses_it_and_other_implementations_stay() -> None:
+    pair = prepare_pair("tiny", "tiny")
+    assert pair.target.config._attn_implementation == GQA_SDPA
+    assert pair.draft.config._attn_implementation == GQA_SDPA
+    target, _ = tiny_models("llama")
+    target.set_attn_implementation("eager")
+    use_gqa_attention(target)
+    assert target.config._attn_implementation == "eager"
