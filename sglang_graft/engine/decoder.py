@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from sglang_graft.candidates import SOURCE_NAMES, Source
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.draft_head import DraftHead
-from sglang_graft.engine.draft_int8 import int8_draft
+from sglang_graft.engine.draft_int8 import int8_draft, span_reader
 from sglang_graft.engine.drafter import Drafter, ModelDrafter
 from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
 from sglang_graft.engine.models import weight_cost_ratio
@@ -168,7 +168,9 @@ class DecodeRun:
             assert engine.draft is not None
             c = engine.config
             head = DraftHead(engine.draft, c.draft_vocab, prompts, engine.vocab_size) if c.draft_vocab else None
-            self.drafter = ModelDrafter(engine.draft, c.draft_topk, c.draft_depth, engine.vocab_size, bs, device, head)
+            self.drafter = ModelDrafter(
+                engine.draft, c.draft_topk, c.draft_depth, engine.vocab_size, bs, device, head, span_reader(engine.draft)
+            )
         if engine.retriever is not None:
             for rid, p in zip(self.rids, prompts):
                 engine.retriever.start_request(rid, p)

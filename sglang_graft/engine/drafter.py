@@ -22,7 +22,10 @@ smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
    (judged on the draft's own chain, as without seeds); drafting stops for the batch once
    none may. Nodes carry the level that proposed them (``Candidates.levels``), which is
    where pruning cuts;
-4. the tree nodes' KV stays until the next round: the fed nodes (seeds included) that
+4. a long unread span (a prompt) can be read by another model than the drafting one
+   (``span_reader``: the bf16 model an int8 draft came from, which reads many tokens
+   faster); its KV is cast to the drafting model's dtype, and drafting goes on from there;
+5. the tree nodes' KV stays until the next round: the fed nodes (seeds included) that
    lie on the path the target accepted are kept (their KV is exactly a causal forward
    over that path), the rest dropped, so next round's first forward reads only what the
    draft never saw, usually just the new root.
@@ -74,6 +77,8 @@ class ModelDrafter:
         batch_size, device: of the batch being decoded.
         head: an LM head over part of the vocabulary (``engine.draft_head``), or None for
             the model's own.
+        span_reader: a model with the same weights (in another precision) that reads spans
+            of at least ``span_min`` unread tokens before the root, or None.
     """
 
     def __init__(
@@ -85,6 +90,8 @@ class ModelDrafter:
         batch_size: int,
         device: torch.device | str,
         head: DraftHead | None = None,
+        span_reader: torch.nn.Module | None = None,
+        span_min: int = 64,
     ) -> None:
         if topk < 1 or depth < 1:
             raise ValueError(f"draft topk and depth must be >= 1, got topk={topk}, depth={depth}")
@@ -93,6 +100,8 @@ class ModelDrafter:
         self.depth = depth
         self.vocab_limit = vocab_limit
         self.head = head
+        self.span_reader = span_reader
+        self.span_min = span_min
         self.kv = PaddedKV(batch_size, device)
         # Tree nodes fed last round, per forward: (tokens [bs, w] (-1: never to match),
         # parent fed index [bs, w] (-1: the root), depths [bs, w]). Their KV sits in the
@@ -150,11 +159,31 @@ class ModelDrafter:
         lead = int(live.long().argmax()) if bool(live.any()) else 0
         return tokens[:, lead:], valid[:, lead:]
 
+    def _read_span(self, tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Have ``span_reader`` read every unread token but the root when there are at
+        least ``span_min`` of them; returns what the drafting forward still has to read.
+        Not counted as a draft forward: it is the prompt's read, which ``draft_read_cost``
+        prices."""
+        span = tokens.shape[1] - 1
+        if self.span_reader is None or span < self.span_min:
+            return tokens, valid
+        kv = self.kv
+        own = next(self.model.parameters()).dtype
+        kv.cast(next(self.span_reader.parameters()).dtype)
+        offsets, block = causal_block(valid[:, :span])
+        # Only the KV is wanted: the "head" hands back the last hidden state unchanged.
+        positions = kv.lengths.unsqueeze(1) + offsets
+        kv.forward(self.span_reader, tokens[:, :span], positions, block, logits_to_keep=1, head=lambda h: h)
+        kv.cast(own)
+        kv.valid[:, kv.width - span :] = valid[:, :span]
+        kv.lengths = kv.lengths + valid[:, :span].sum(dim=1)
+        return tokens[:, span:], valid[:, span:]
+
     def draft(
         self, tokens: torch.Tensor, valid: torch.Tensor, continues: ContinueFn, seeds: Candidates | None = None
     ) -> DraftOutput:
         kv = self.kv
-        tokens, valid = self._reuse(tokens, valid)
+        tokens, valid = self._read_span(*self._reuse(tokens, valid))
         bs, q = tokens.shape
         k = self.topk
         device = tokens.device

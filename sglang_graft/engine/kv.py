@@ -88,6 +88,13 @@ class PaddedKV:
         self.valid = torch.cat([self.valid, torch.zeros(bs, q, dtype=torch.bool, device=tokens.device)], dim=1)
         return logits
 
+    def cast(self, dtype: torch.dtype) -> None:
+        """Hold the cached keys and values in ``dtype`` (for a forward by a model computing in it)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.dtype != dtype:
+                layer.keys = layer.keys.to(dtype)
+                layer.values = layer.values.to(dtype)
+
     def commit(self, keep: torch.Tensor) -> None:
         """Keep exactly the columns ``keep`` ``[bs, L]`` (old valid ones and chosen new ones).
 
