@@ -86,6 +86,7 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
         out = torch.ao.quantization.quantize_dynamic(out, quantized, dtype=torch.qint8, inplace=True)
     out._graft_int8_draft = True
     # A plain attribute, not a submodule: the source's parameters stay out of this model's.
+    # It keeps the loaded model alive, which the caller (ModelPair, bench) holds anyway.
     out.__dict__["_graft_source"] = model
     return out.eval()
 
