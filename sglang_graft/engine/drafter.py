@@ -45,6 +45,11 @@ from sglang_graft.graft import summarise_paths
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.kv import PaddedKV, causal_block
 
+#: Unread tokens from which a ``span_reader`` reads them instead of the drafting model: on a
+#: 2-core AMX Xeon the bf16 0.5B draft and its int8 copy cost the same for 64 new tokens
+#: (105 against 109 ms), and the int8 copy is faster below that (61 against 75 for 16).
+SPAN_READ_MIN_TOKENS = 64
+
 #: ``continues(depth, level_scores [bs, w]) -> [bs] bool``: may each request draft deeper.
 ContinueFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -91,7 +96,7 @@ class ModelDrafter:
         device: torch.device | str,
         head: DraftHead | None = None,
         span_reader: torch.nn.Module | None = None,
-        span_min: int = 64,
+        span_min: int = SPAN_READ_MIN_TOKENS,
     ) -> None:
         if topk < 1 or depth < 1:
             raise ValueError(f"draft topk and depth must be >= 1, got topk={topk}, depth={depth}")
