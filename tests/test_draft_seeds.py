@@ -14,6 +14,7 @@ import torch
 from helpers import TEST_DEVICE
 from sglang_graft.candidates import Candidates, Source
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.drafter import ModelDrafter
 
 PROMPT = [7, 3, 9, 3, 11, 5]
@@ -79,6 +80,32 @@ def test_seeds_are_scored_and_expanded_like_fresh_forwards(draft64):
     assert cands.sources[0, :3].tolist() == [int(Source.CONTEXT)] * 3
     assert cands.bins[0, :3].tolist() == [5, 6, 7]
     assert cands.sources[0, 3:].eq(int(Source.DRAFT)).all()
+
+
+def test_seeds_are_scored_over_the_draft_heads_columns(draft64):
+    """With a head over part of the vocabulary the draft's distribution is renormalised
+    over the kept ids: a kept seed scores its probability there, one outside the head 0
+    (the draft could never propose it), and children are kept tokens."""
+    keep = 20
+    head = DraftHead(draft64, keep, [PROMPT], 64)
+    kept, dropped = 17, 40  # 17 < keep; 40 is neither low nor in the prompt
+    drafter = ModelDrafter(draft64, topk=2, depth=1, vocab_limit=64, batch_size=1, device="cpu", head=head)
+    with torch.inference_mode():
+        out = drafter.draft(
+            torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.bool), _never, _seeds([kept, dropped], [-1, -1])
+        )
+    with torch.inference_mode():
+        logits = draft64(torch.tensor([PROMPT])).logits[0, -1]
+    p_root = torch.softmax(logits[head.ids].float(), dim=-1)
+    cands = out.candidates
+    want = p_root[int(head.columns[kept])]
+    torch.testing.assert_close(cands.scores[0, 0].double(), want.double(), rtol=1e-5, atol=1e-9)
+    assert float(cands.scores[0, 1]) < 1e-29  # 0, up to the 1e-30 floor of the path product's log
+    top = p_root.topk(2)
+    assert cands.tokens[0, 2:4].tolist() == head.ids[top.indices].tolist()
+    torch.testing.assert_close(cands.scores[0, 2:4].double(), top.values.double(), rtol=1e-5, atol=1e-9)
+    drafted = cands.tokens[cands.valid & (cands.sources == int(Source.DRAFT))]
+    assert bool(torch.isin(drafted, head.ids).all())
 
 
 def _count_reads(model, reads: list[int]):

@@ -31,14 +31,18 @@ from sglang_graft.engine.draft_int8 import CastLinear
 
 
 class DraftHead:
-    """The draft's LM head restricted to ``ids``; logits come back over the full vocabulary
-    (``-inf`` outside ``ids``), so the drafter's top-k and scoring are unchanged.
+    """The draft's LM head restricted to ``ids``; logits come back over those ids only
+    (column ``j`` is token ``ids[j]``; ``columns`` maps a token to its column, -1 outside).
+    The drafter takes its softmax and top-k over the kept columns: over the full vocabulary
+    they cost more than the head itself (16 rows on 2 CPU cores: softmax and top-8 over
+    151,936 columns 3.9 ms, over 32,768 0.5 ms).
 
     Args:
         model: the draft causal LM (its output embeddings must be a plain ``nn.Linear``).
         keep: the lowest token ids kept (>= 1).
         prompts: the batch's prompts; their tokens are kept too.
-        vocab_limit: the target's vocabulary size (the drafter ignores logits beyond it).
+        vocab_limit: the target's vocabulary size (the kept ids lie below it; ``columns``
+            covers it).
     """
 
     def __init__(self, model: torch.nn.Module, keep: int, prompts: Sequence[Sequence[int]], vocab_limit: int) -> None:
@@ -58,21 +62,19 @@ class DraftHead:
         rows = set(range(min(keep, vocab)))
         rows.update(t for p in prompts for t in p if t < vocab)
         self.ids = torch.tensor(sorted(rows), dtype=torch.int64, device=head.weight.device)
+        self.columns = torch.full((vocab_limit,), -1, dtype=torch.int64, device=head.weight.device)
+        self.columns[self.ids] = torch.arange(len(self.ids), device=head.weight.device)
         self.weight = head.weight.index_select(0, self.ids)
         self.bias = None if head.bias is None else head.bias.index_select(0, self.ids)
-        self.vocab_size = head.weight.shape[0]
         self.kernel = isinstance(head, KernelLinear)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., vocab]`` logits from the draft's final hidden states ``[..., hidden]``, in
+        """``[..., len(ids)]`` logits from the draft's final hidden states ``[..., hidden]``, in
         the head's dtype (an ``int8_draft``'s hidden states are float32, its head is not), or
         through the CPU kernel when the head ran there, in the hidden states' dtype."""
         if self.kernel:
-            kept = cpu_linear(hidden, self.weight, self.bias)
-        else:
-            kept = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
-        logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.ids, kept)
+            return cpu_linear(hidden, self.weight, self.bias)
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
 
 
 def decoder_logits(

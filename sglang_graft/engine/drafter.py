@@ -213,14 +213,18 @@ class ModelDrafter:
         kv.lengths = kv.lengths + valid.sum(dim=1)
         committed = kv.width - r
         probs = self._probs(logits)
-        root_scores, root_tokens = probs[:, 0].topk(min(k, probs.shape[-1]), dim=-1)
-        # A seed's draft score: the product of the draft's probabilities along its path,
-        # each read off its parent's row (the root's is row 0).
         vocab = probs.shape[-1]
-        step = probs.reshape(bs, -1).gather(1, (seed.parents + 1) * vocab + seed.tokens)
+        root_scores, root_cols = probs[:, 0].topk(min(k, vocab), dim=-1)
+        root_tokens = self._tokens(root_cols)
+        # A seed's draft score: the product of the draft's probabilities along its path,
+        # each read off its parent's row (the root's is row 0); 0 for a token it cannot draft.
+        cols, known = self._columns(seed.tokens, vocab)
+        step = probs.reshape(bs, -1).gather(1, (seed.parents + 1) * vocab + cols)
+        step = torch.where(known, step, 0.0)
         seed_scores = (seed.ancestors.float() @ step.clamp(min=1e-30).log().unsqueeze(2)).squeeze(2).exp()
         seed_scores = torch.where(seed.valid, seed_scores, 0.0)
-        child_p, child_t = probs[:, 1:].topk(min(k, vocab), dim=-1)  # [bs, r, k]
+        child_p, child_c = probs[:, 1:].topk(min(k, vocab), dim=-1)  # [bs, r, k]
+        child_t = self._tokens(child_c)
         kk = root_tokens.shape[1]
         # The first level: the root's children, then each seed's; a child the seed forest
         # already holds (same parent, same token) is that seed, so the copy is dropped.
@@ -281,7 +285,9 @@ class ModelDrafter:
                 ],
                 dim=1,
             )
-            child_p, child_t = self._probs(logits).topk(min(k, self.vocab_limit), dim=-1)  # [bs, width, k]
+            probs = self._probs(logits)
+            child_p, child_c = probs.topk(min(k, probs.shape[-1]), dim=-1)  # [bs, width, k]
+            child_t = self._tokens(child_c)
             kk = child_t.shape[2]
             level_start += level_tokens.shape[1]
             frontier_depth += 1
@@ -311,8 +317,22 @@ class ModelDrafter:
         )
         return DraftOutput(cands, gates, forwards)
 
+    # The draft's distributions live over *columns*: the draft head's kept ids with a head,
+    # else the token ids below ``vocab_limit``.
+
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits[..., : self.vocab_limit].float(), dim=-1)
+        if self.head is None:
+            logits = logits[..., : self.vocab_limit]
+        return torch.softmax(logits.float(), dim=-1)
+
+    def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns if self.head is None else self.head.ids[columns]
+
+    def _columns(self, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's column (0 where it has none) and whether it has one."""
+        cols = tokens if self.head is None else self.head.columns[tokens]
+        known = (cols >= 0) & (cols < width)
+        return torch.where(known, cols, 0), known
 
 
 class _SeedForest(NamedTuple):
