@@ -214,8 +214,7 @@ class ModelDrafter:
         committed = kv.width - r
         probs = self._probs(logits)
         vocab = probs.shape[-1]
-        root_scores, root_cols = probs[:, 0].topk(min(k, vocab), dim=-1)
-        root_tokens = self._tokens(root_cols)
+        root_scores, root_tokens = self._top(probs[:, 0], k)
         # A seed's draft score: the product of the draft's probabilities along its path,
         # each read off its parent's row (the root's is row 0); 0 for a token it cannot draft.
         cols, known = self._columns(seed.tokens, vocab)
@@ -223,8 +222,7 @@ class ModelDrafter:
         step = torch.where(known, step, 0.0)
         seed_scores = (seed.ancestors.float() @ step.clamp(min=1e-30).log().unsqueeze(2)).squeeze(2).exp()
         seed_scores = torch.where(seed.valid, seed_scores, 0.0)
-        child_p, child_c = probs[:, 1:].topk(min(k, vocab), dim=-1)  # [bs, r, k]
-        child_t = self._tokens(child_c)
+        child_p, child_t = self._top(probs[:, 1:], k)  # [bs, r, k]
         kk = root_tokens.shape[1]
         # The first level: the root's children, then each seed's; a child the seed forest
         # already holds (same parent, same token) is that seed, so the copy is dropped.
@@ -285,9 +283,7 @@ class ModelDrafter:
                 ],
                 dim=1,
             )
-            probs = self._probs(logits)
-            child_p, child_c = probs.topk(min(k, probs.shape[-1]), dim=-1)  # [bs, width, k]
-            child_t = self._tokens(child_c)
+            child_p, child_t = self._top(self._probs(logits), k)  # [bs, width, k]
             kk = child_t.shape[2]
             level_start += level_tokens.shape[1]
             frontier_depth += 1
@@ -325,8 +321,10 @@ class ModelDrafter:
             logits = logits[..., : self.vocab_limit]
         return torch.softmax(logits.float(), dim=-1)
 
-    def _tokens(self, columns: torch.Tensor) -> torch.Tensor:
-        return columns if self.head is None else self.head.ids[columns]
+    def _top(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most probable entries of each row: probabilities and token ids."""
+        p, columns = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        return p, columns if self.head is None else self.head.ids[columns]
 
     def _columns(self, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's column (0 where it has none) and whether it has one."""
