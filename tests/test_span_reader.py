@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
-from sglang_graft.engine.draft_int8 import int8_draft, span_reader
+from sglang_graft.engine.draft_int8 import CastLinear, int8_draft, span_reader
 from sglang_graft.engine.drafter import ModelDrafter
 
 VOCAB = 64
@@ -80,17 +80,34 @@ def test_engine_with_a_reader_is_lossless(models, monkeypatch):
     assert sum(r.draft_forwards for r in out.requests) > 0
 
 
+def test_reader_reads_the_first_span_however_short(models):
+    _, draft = models
+    reader = copy.deepcopy(draft).to(torch.float32)
+    reads: list[int] = []
+    reader.get_decoder().register_forward_pre_hook(lambda m, a, kw: reads.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    drafter = ModelDrafter(draft, 3, 2, VOCAB, 1, "cpu", span_reader=reader)  # span_min: 64
+    with torch.inference_mode():
+        drafter.draft(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.bool), _always)
+        drafter.draft(torch.tensor([[8, 9, 10]]), torch.ones(1, 3, dtype=torch.bool), _always)
+    assert reads == [2]  # the prompt but its root, first token included; later short spans are the draft's
+
+
 def test_span_reader_is_the_bf16_source_of_an_int8_draft(models, monkeypatch):
     _, draft = models
     assert span_reader(draft) is None  # not an int8 draft
     bf16 = copy.deepcopy(draft).to(torch.bfloat16)
-    quantized = int8_draft(bf16)
+    int8_linear = torch.ao.nn.quantized.dynamic.Linear
     monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    quantized = int8_draft(bf16)
     assert span_reader(quantized) is bf16
+    # The bf16 source reads the prompts, so the MLP output projections are int8 too.
+    assert all(type(layer.mlp.down_proj) is int8_linear for layer in quantized.model.layers)
     monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"avx2"}))
-    assert span_reader(quantized) is None  # no native bf16: the int8 draft reads faster
+    alone = int8_draft(bf16)
+    assert span_reader(alone) is None  # no native bf16: the int8 draft reads faster
+    assert all(type(layer.mlp.down_proj) is CastLinear for layer in alone.model.layers)
     monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"amx_bf16"}))
     assert span_reader(int8_draft(copy.deepcopy(draft).to(torch.float32))) is None  # a float32 source
-    # The source is no submodule: the int8 draft's parameters are its own (float32 and kept bf16 ones).
+    # The reader is no submodule: the int8 draft's parameters are its own (float32 and kept bf16 ones).
     names = {n for n, _ in quantized.named_parameters()}
-    assert not any("_graft_source" in n for n in names)
+    assert not any("_graft_reader" in n for n in names)

@@ -7,21 +7,25 @@ runs the same forward in about half the time (Qwen2.5-Coder-0.5B decoder at 300 
 context: 28 against 56 ms for 4 new tokens, 34 against 53 for 8, measured).
 
 Losslessness does not depend on the draft's precision (the target verifies every token),
-only speed does, through how often the target agrees with the draft. Quantizing every
-matmul costs too much of that: the target's greedy token was the draft's top-1 on 62% of
-Spec-Bench positions instead of 77%, because the MLP output projection (``down_proj``)
-reads the few huge activation channels that per-tensor activation scales clip. Keeping
-that projection and the LM head in the loaded dtype (``CastLinear``) leaves the agreement
-where it was (77%; 93% top-1 agreement with the bf16 draft) at most of the speed.
+only speed does, through how often the target agrees with the draft. Outside the matmuls
+(embeddings, norms, attention) the quantized draft computes in float32, the dtype
+PyTorch's quantized kernels take.
 
-Outside the matmuls (embeddings, norms, attention) the quantized draft computes in
-float32, the dtype PyTorch's quantized kernels take.
-
-Dynamic int8 wins on the few rows a drafted level feeds, not on long spans: where the CPU
+What int8 must not read is a sequence's first token: its hidden state carries a few huge
+activation channels (the attention sink every later token attends to), which the MLP
+output projection (``down_proj``) reads and a per-tensor activation scale clips. Dynamic
+int8 wins on the few rows a drafted level feeds, not on long spans: where the CPU
 multiplies bf16 natively, the loaded bf16 draft reads 64 new tokens as fast as the int8
 one and 256 in two thirds of its time (212 against 311 ms; a 709-token Spec-Bench prompt
-0.60 against 1.35 s, 2-core Xeon with AMX). So an int8 draft keeps a reference to the model
-it came from, and the drafter has that model read long unread spans (``span_reader``).
+0.60 against 1.35 s, 2-core Xeon with AMX). So there an int8 draft keeps a reference to
+the model it came from, which reads the prompt (``span_reader``), and every matmul but the
+LM head is int8. Teacher-forced top-1 agreement with the target's greedy tokens (18
+Spec-Bench questions, 48 tokens each, 658 positions, 2-core AMX Xeon): 0.786 with an int8
+``down_proj``, 0.784 with a bf16 one, at 53 against 66 ms per one-token forward; had the
+int8 draft read the prompts itself, 0.748 against 0.783. Where no bf16 reader is at hand
+(no native bf16, or the project's CPU kernel), the int8 draft reads the prompt itself and
+keeps ``down_proj`` in the loaded dtype (``CastLinear``): quantizing it there had the
+target's greedy token be the draft's top-1 on 62% of Spec-Bench positions instead of 77%.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch
 
 from sglang_graft.engine.cpu_linear import KernelLinear, cpu_flags, native_bf16, replace_module, share_linear
 
-#: Linear layers left in the loaded dtype, by the last part of their module name: the MLP
-#: output projection of Llama/Qwen-style decoders (see the module docstring).
+#: Linear layers left in the loaded dtype when the int8 draft reads prompts itself, by the
+#: last part of their module name: the MLP output projection of Llama/Qwen-style decoders
+#: (see the module docstring).
 KEPT_LINEARS = ("down_proj",)
 
 
@@ -54,11 +59,12 @@ def is_int8_draft(model: torch.nn.Module) -> bool:
 def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     """An int8 copy of a draft causal LM on the CPU (``model`` itself is left as it was).
 
-    Every ``nn.Linear`` becomes a dynamic int8 linear (per-channel weights) except the
-    ``KEPT_LINEARS`` and the LM head, which keep the loaded dtype and share the loaded
-    model's weights (``CastLinear``, or ``KernelLinear`` when the model runs the CPU kernel;
-    the LM head stays a linear layer that ``DraftHead`` can slice). Raises ``ValueError`` for a model off the CPU,
-    where PyTorch has no dynamic int8 kernels.
+    Every ``nn.Linear`` becomes a dynamic int8 linear (per-channel weights) except the LM
+    head and, unless ``model`` can read the prompts (``reads_spans``), the ``KEPT_LINEARS``:
+    those keep the loaded dtype and share the loaded model's weights (``CastLinear``, or
+    ``KernelLinear`` when the model runs the CPU kernel; the LM head stays a linear layer
+    that ``DraftHead`` can slice). Raises ``ValueError`` for a model off the CPU, where
+    PyTorch has no dynamic int8 kernels.
     """
     device = next(model.parameters()).device
     if device.type != "cpu":
@@ -66,10 +72,12 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     if is_int8_draft(model):
         return model
     head = model.get_output_embeddings()
+    reader = model if reads_spans(model) else None
+    kept_names = () if reader is not None else KEPT_LINEARS
     kept = {
         name: share_linear(KernelLinear if isinstance(m, KernelLinear) else CastLinear, m)
         for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and (m is head or name.rsplit(".", 1)[-1] in KEPT_LINEARS)
+        if isinstance(m, torch.nn.Linear) and (m is head or name.rsplit(".", 1)[-1] in kept_names)
     }
     out = copy.deepcopy(model).float()
     # The other layers are quantized, which takes plain nn.Linear modules.
@@ -85,22 +93,23 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
         warnings.simplefilter("ignore")
         out = torch.ao.quantization.quantize_dynamic(out, quantized, dtype=torch.qint8, inplace=True)
     out._graft_int8_draft = True
-    # A plain attribute, not a submodule: the source's parameters stay out of this model's.
+    # A plain attribute, not a submodule: the reader's parameters stay out of this model's.
     # It keeps the loaded model alive, which the caller (ModelPair, bench) holds anyway.
-    out.__dict__["_graft_source"] = model
+    out.__dict__["_graft_reader"] = reader
     return out.eval()
 
 
+def reads_spans(model: torch.nn.Module) -> bool:
+    """Whether a loaded draft should read the prompts for its ``int8_draft`` copy: it is
+    bf16, the CPU multiplies bf16 natively and the model runs PyTorch's own matmuls (not
+    the project's CPU kernel); elsewhere the int8 copy is the faster reader."""
+    if model.get_input_embeddings().weight.dtype != torch.bfloat16 or not native_bf16(cpu_flags()):
+        return False
+    return not any(isinstance(m, KernelLinear) for m in model.modules())
+
+
 def span_reader(draft: torch.nn.Module) -> torch.nn.Module | None:
-    """The model that should read long spans of unread tokens (a prompt) for ``draft``: the
-    bf16 model an ``int8_draft`` came from, where the CPU multiplies bf16 natively and the
-    source runs PyTorch's own matmuls; None where ``draft`` itself is the faster reader."""
-    source = draft.__dict__.get("_graft_source")
-    if source is None or not is_int8_draft(draft):
-        return None
-    weight = source.get_input_embeddings().weight
-    if weight.dtype != torch.bfloat16 or not native_bf16(cpu_flags()):
-        return None
-    if any(isinstance(m, KernelLinear) for m in source.modules()):
-        return None
-    return source
+    """The model that reads a drafter's first span (the prompt) and later long spans of
+    unread tokens for ``draft``: the bf16 model an ``int8_draft`` came from, when
+    ``reads_spans`` said so at quantization; None where ``draft`` reads everything itself."""
+    return draft.__dict__.get("_graft_reader") if is_int8_draft(draft) else None

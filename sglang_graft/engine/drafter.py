@@ -22,9 +22,10 @@ smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
    (judged on the draft's own chain, as without seeds); drafting stops for the batch once
    none may. Nodes carry the level that proposed them (``Candidates.levels``), which is
    where pruning cuts;
-4. a long unread span (a prompt) can be read by another model than the drafting one
-   (``span_reader``: the bf16 model an int8 draft came from, which reads many tokens
-   faster); its KV is cast to the drafting model's dtype, and drafting goes on from there;
+4. the prompt and any later long unread span can be read by another model than the
+   drafting one (``span_reader``: the bf16 model an int8 draft came from, which reads many
+   tokens faster and the first token without int8's clipping); its KV is cast to the
+   drafting model's dtype, and drafting goes on from there;
 5. the tree nodes' KV stays until the next round: the fed nodes (seeds included) that
    lie on the path the target accepted are kept (their KV is exactly a causal forward
    over that path), the rest dropped, so next round's first forward reads only what the
@@ -82,8 +83,9 @@ class ModelDrafter:
         batch_size, device: of the batch being decoded.
         head: an LM head over part of the vocabulary (``engine.draft_head``), or None for
             the model's own.
-        span_reader: a model with the same weights (in another precision) that reads spans
-            of at least ``span_min`` unread tokens before the root, or None.
+        span_reader: a model with the same weights (in another precision) that reads the
+            first span (the prompt but its root) and later spans of at least ``span_min``
+            unread tokens before the root, or None.
     """
 
     def __init__(
@@ -165,12 +167,13 @@ class ModelDrafter:
         return tokens[:, lead:], valid[:, lead:]
 
     def _read_span(self, tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Have ``span_reader`` read every unread token but the root when there are at
-        least ``span_min`` of them; returns what the drafting forward still has to read.
-        Not counted as a draft forward: it is the prompt's read, which ``draft_read_cost``
-        prices."""
+        """Have ``span_reader`` read every unread token but the root at the first draft (the
+        prompt's first token must not go through an int8 ``down_proj``: ``engine.draft_int8``)
+        and whenever there are at least ``span_min`` of them; returns what the drafting
+        forward still has to read. Not counted as a draft forward: it is the prompt's read,
+        which ``draft_read_cost`` prices."""
         span = tokens.shape[1] - 1
-        if self.span_reader is None or span < self.span_min:
+        if self.span_reader is None or span == 0 or (span < self.span_min and self.kv.width > 0):
             return tokens, valid
         kv = self.kv
         own = next(self.model.parameters()).dtype
