@@ -96,3 +96,27 @@ def test_draft_reuses_the_kv_of_accepted_draft_nodes():
     assert first_reads[0] == 8, "the first draft forward reads the prompt"
     later = first_reads[1:]
     assert sum(later) < len(later) * out.tau / 2, "accepted draft nodes were re-read instead of kept"
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_chunked_prefill_equals_a_fresh_forward(pair64, chunk):
+    """A left-padded batch of prompts read ``chunk`` columns per forward: every row's cache
+    then gives the logits a cache-free forward over its prompt gives."""
+    target, _ = pair64
+    heads, valid = left_pad([p[:-1] for p in PROMPTS], 0, TEST_DEVICE)
+    kv = PaddedKV(len(PROMPTS), TEST_DEVICE)
+    with torch.inference_mode():
+        kv.prefill(target, heads, valid, chunk=chunk)
+        assert kv.lengths.tolist() == [len(p) - 1 for p in PROMPTS]
+        assert kv.valid.tolist() == valid.tolist()
+        roots, root_valid = left_pad([p[-1:] for p in PROMPTS], 0, TEST_DEVICE)
+        cached = _next_logits(target, kv, roots, root_valid)
+        for b, p in enumerate(PROMPTS):
+            fresh = target(torch.tensor([p], device=TEST_DEVICE)).logits[0, -1]
+            torch.testing.assert_close(cached[b], fresh, rtol=0, atol=1e-9)
+
+
+def test_prefill_refuses_an_empty_chunk(pair64):
+    heads, valid = left_pad([[1, 2]], 0, TEST_DEVICE)
+    with pytest.raises(ValueError, match="prefill chunk must be >= 1 tokens, got 0"):
+        PaddedKV(1, TEST_DEVICE).prefill(pair64[0], heads, valid, chunk=0)

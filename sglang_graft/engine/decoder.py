@@ -34,7 +34,7 @@ from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft, span_reader
 from sglang_graft.engine.drafter import Drafter, ModelDrafter
-from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
+from sglang_graft.engine.kv import PaddedKV, left_pad
 from sglang_graft.engine.models import weight_cost_ratio
 from sglang_graft.engine.outputs import BatchOutput, RequestOutput
 from sglang_graft.retrieval import Retriever, RetrieverConfig
@@ -159,17 +159,22 @@ class DecodeRun:
         self.bar = tqdm(total=bs * max_new_tokens, desc=engine.config.policy, unit="tok", disable=not progress, leave=False)
         heads, head_valid = left_pad([p[:-1] for p in prompts], 0, device)
         self.target_kv = PaddedKV(bs, device)
-        if heads.shape[1]:
-            offsets, block = causal_block(head_valid)
-            self.target_kv.forward(engine.target, heads, offsets, block, logits_to_keep=1)
-            self.target_kv.commit(head_valid)
+        self.target_kv.prefill(engine.target, heads, head_valid)
         self.drafter: Drafter | None = None
         if engine.config.uses_draft:
             assert engine.draft is not None
             c = engine.config
             head = DraftHead(engine.draft, c.draft_vocab, prompts, engine.vocab_size) if c.draft_vocab else None
             self.drafter = ModelDrafter(
-                engine.draft, c.draft_topk, c.draft_depth, engine.vocab_size, bs, device, head, span_reader(engine.draft)
+                engine.draft,
+                c.draft_topk,
+                c.draft_depth,
+                engine.vocab_size,
+                bs,
+                device,
+                head,
+                span_reader(engine.draft),
+                seed_limit=c.seed_limit,
             )
         if engine.retriever is not None:
             for rid, p in zip(self.rids, prompts):
