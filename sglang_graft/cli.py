@@ -120,10 +120,6 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
-    p.add_argument("--seed-limit", type=int, default=0, metavar="K",
-                   help="graft: feed the draft only the K best-scored retrieved nodes per request (the rest are "
-                        "still grafted into the tree): each seed widens the first draft forward by a token "
-                        "(default 0: all of them)")
     p.add_argument("--continue-drafts", type=int, default=0, metavar="K",
                    help="graft: the request's own context continues the paths of its K best draft nodes where "
                         "they match it for at least 4 tokens, so a copy the draft has begun runs deeper than the "
@@ -226,7 +222,6 @@ def _engine_config(args: argparse.Namespace, policy: str):
         gates=GateConfig(mode=args.gates),
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,
-        seed_limit=args.seed_limit,
         continue_drafts=args.continue_drafts,
         draft_read_cost=args.draft_read_cost,
         compile_core=args.compile_core,

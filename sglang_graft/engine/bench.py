@@ -210,7 +210,6 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_read_cost": settings.engine.resolved_read_cost,
         "draft_int8": settings.engine.draft_int8,
         "seed_draft": settings.engine.seed_draft,
-        "seed_limit": settings.engine.seed_limit,
         "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,
         "dtype": dtype,

@@ -52,9 +52,6 @@ class EngineConfig:
         seed_draft: ``graft`` feeds the round's retrieved nodes to the draft model in its
             first forward (``engine.drafter``): the draft scores them, and drafts below
             them, at almost no extra cost. False: retrieval only fills the tree afterwards.
-        seed_limit: ``graft``: most retrieved nodes fed to the draft per request (the
-            best-scored ones; the rest still enter the tree by grafting), 0 for all. Each
-            seed widens the first draft forward by a token.
         continue_drafts: ``graft``: draft nodes per request whose paths the request's own
             context continues where they match it (``SchedulerConfig.continue_drafts``).
             0 (off) by default: on 18 Spec-Bench questions on a CPU, 4 made drafted rounds
@@ -84,7 +81,6 @@ class EngineConfig:
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
-    seed_limit: int = 0
     continue_drafts: int = 0
     draft_read_cost: float | None = None
     compile_core: bool = False
@@ -103,8 +99,6 @@ class EngineConfig:
             raise ValueError(f"draft_window must be >= 0 prompt tokens (0: the whole prompt), got {self.draft_window}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 token ids (0: the full LM head), got {self.draft_vocab}")
-        if self.seed_limit < 0:
-            raise ValueError(f"seed_limit must be >= 0 retrieved nodes per request (0: all), got {self.seed_limit}")
         if self.continue_drafts < 0:
             raise ValueError(f"continue_drafts must be >= 0 draft nodes per request (0: off), got {self.continue_drafts}")
         check_cost_ratio(self.draft_cost_ratio)

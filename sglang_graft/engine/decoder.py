@@ -166,15 +166,7 @@ class DecodeRun:
             c = engine.config
             head = DraftHead(engine.draft, c.draft_vocab, prompts, engine.vocab_size) if c.draft_vocab else None
             self.drafter = ModelDrafter(
-                engine.draft,
-                c.draft_topk,
-                c.draft_depth,
-                engine.vocab_size,
-                bs,
-                device,
-                head,
-                span_reader(engine.draft),
-                seed_limit=c.seed_limit,
+                engine.draft, c.draft_topk, c.draft_depth, engine.vocab_size, bs, device, head, span_reader(engine.draft)
             )
         if engine.retriever is not None:
             for rid, p in zip(self.rids, prompts):

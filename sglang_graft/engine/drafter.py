@@ -86,8 +86,6 @@ class ModelDrafter:
         span_reader: a model with the same weights (in another precision) that reads the
             first span (the prompt but its root) and later spans of at least ``span_min``
             unread tokens before the root, or None.
-        seed_limit: most seeds fed per request (the best-scored ones), 0 for all: a seed
-            widens the first forward by a token, and on a CPU width is not free.
     """
 
     def __init__(
@@ -101,7 +99,6 @@ class ModelDrafter:
         head: DraftHead | None = None,
         span_reader: torch.nn.Module | None = None,
         span_min: int = SPAN_READ_MIN_TOKENS,
-        seed_limit: int = 0,
     ) -> None:
         if topk < 1 or depth < 1:
             raise ValueError(f"draft topk and depth must be >= 1, got topk={topk}, depth={depth}")
@@ -112,7 +109,6 @@ class ModelDrafter:
         self.head = head
         self.span_reader = span_reader
         self.span_min = span_min
-        self.seed_limit = seed_limit
         self.kv = PaddedKV(batch_size, device)
         # Tree nodes fed last round, per forward: (tokens [bs, w] (-1: never to match),
         # parent fed index [bs, w] (-1: the root), depths [bs, w]). Their KV sits in the
@@ -197,7 +193,7 @@ class ModelDrafter:
         bs, q = tokens.shape
         k = self.topk
         device = tokens.device
-        seed = _seed_forest(seeds, bs, device, self.seed_limit)
+        seed = _seed_forest(seeds, bs, device)
         r = seed.tokens.shape[1]
         # First forward: the unread tokens (causal) and the seed forest below the root.
         offsets, block = causal_block(valid)
@@ -338,40 +334,6 @@ class ModelDrafter:
         return torch.where(known, cols, 0), known
 
 
-def best_seeds(seeds: Candidates, limit: int) -> Candidates:
-    """The ``limit`` best-scored columns of each request whose whole path is valid, in
-    their column order.
-
-    Retrieval scores never grow down a path (``retrieval.scoring``), and a stable sort
-    prefers the earlier column, which a parent is, on a tie: so the kept set is closed
-    under ancestors. A node whose parent was dropped anyway is marked invalid.
-    """
-    bs, m = seeds.tokens.shape
-    device = seeds.tokens.device
-    usable = seeds.valid & summarise_paths(seeds).valid
-    ranked = torch.where(usable, seeds.scores, -1.0).sort(dim=1, descending=True, stable=True).indices
-    cols = ranked[:, :limit].sort(dim=1).values
-    new_col = torch.full((bs, m + 1), -1, dtype=torch.int64, device=device)  # last column: the root
-    new_col.scatter_(1, cols, torch.arange(limit, device=device).expand(bs, limit))
-    old_parent = seeds.parents.gather(1, cols)
-    parents = new_col.gather(1, torch.where(old_parent >= 0, old_parent, m))
-    valid = usable.gather(1, cols) & ((old_parent < 0) | (parents >= 0))
-
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.gather(1, cols)
-
-    return Candidates(
-        tokens=take(seeds.tokens),
-        parents=parents,
-        scores=take(seeds.scores),
-        sources=take(seeds.sources),
-        valid=valid,
-        bins=take(seeds.bins),
-        depths=take(seeds.depths),
-        levels=take(seeds.levels),
-    )
-
-
 class _SeedForest(NamedTuple):
     tokens: torch.Tensor  # [bs, r] (0 where invalid, so it can be fed)
     parents: torch.Tensor  # [bs, r] earlier seed column, or -1 for the root
@@ -382,14 +344,11 @@ class _SeedForest(NamedTuple):
     bins: torch.Tensor  # [bs, r] and its calibration bin there
 
 
-def _seed_forest(seeds: Candidates | None, bs: int, device: torch.device, limit: int = 0) -> _SeedForest:
-    """The seed nodes (at most ``limit`` per request, 0: all) in the form the first draft
-    forward feeds them (width 0 for none)."""
+def _seed_forest(seeds: Candidates | None, bs: int, device: torch.device) -> _SeedForest:
+    """The seed nodes in the form the first draft forward feeds them (width 0 for none)."""
     if seeds is None or seeds.width == 0:
         z = torch.zeros(bs, 0, dtype=torch.int64, device=device)
         return _SeedForest(z, z, z.bool(), z, torch.zeros(bs, 0, 0, dtype=torch.bool, device=device), z, z)
-    if 0 < limit < seeds.width:
-        seeds = best_seeds(seeds, limit)
     paths = summarise_paths(seeds)
     valid = seeds.valid & paths.valid
     return _SeedForest(
