@@ -94,22 +94,16 @@ class PaddedKV:
         self.valid = torch.cat([self.valid, torch.zeros(bs, q, dtype=torch.bool, device=tokens.device)], dim=1)
         return logits
 
-    def prefill(
-        self,
-        model: torch.nn.Module,
-        tokens: torch.Tensor,
-        valid: torch.Tensor,
-        chunk: int = PREFILL_CHUNK,
-        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
+    def prefill(self, model: torch.nn.Module, tokens: torch.Tensor, valid: torch.Tensor, chunk: int = PREFILL_CHUNK) -> None:
         """Read a left-padded causal block (``valid`` marks the real tokens) after what the
-        cache holds, ``chunk`` columns per forward, and keep it all (no logits wanted)."""
+        cache holds, ``chunk`` columns per forward, and keep it all. Only the KV is wanted,
+        so the decoder runs without an LM head (the "head" hands back its hidden state)."""
         if chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1 tokens, got {chunk}")
         for start in range(0, tokens.shape[1], chunk):
             part, part_valid = tokens[:, start : start + chunk], valid[:, start : start + chunk]
             offsets, block = causal_block(part_valid)
-            self.forward(model, part, self.lengths.unsqueeze(1) + offsets, block, logits_to_keep=1, head=head)
+            self.forward(model, part, self.lengths.unsqueeze(1) + offsets, block, logits_to_keep=1, head=_hidden)
             self.valid[:, self.width - part.shape[1] :] = part_valid
             self.lengths = self.lengths + part_valid.sum(dim=1)
 
@@ -176,6 +170,10 @@ class PaddedKV:
             idx = index.view(bs, 1, w, 1).expand(bs, heads, w, dim)
             layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.gather(2, idx)], dim=2)
             layer.values = torch.cat([layer.values[:, :, :start], layer.values.gather(2, idx)], dim=2)
+
+
+def _hidden(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
 
 
 def causal_block(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
