@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM
 from sglang_graft.engine.attention import use_gqa_attention
 from sglang_graft.engine.cpu_linear import CPU_KERNEL_MODES, KernelLinear, use_cpu_kernel, wants_cpu_kernel
 from sglang_graft.engine.draft_head import DraftHead
-from sglang_graft.engine.draft_int8 import int8_draft, span_reader
+from sglang_graft.engine.draft_int8 import INT8_KERNELS, int8_draft, span_reader
 from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, prefill_ms, read_cost, verify_costs_flag
 
 
@@ -78,7 +78,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--draft-int8", action="store_true",
-        help="time the draft as generate/bench --draft-int8 runs it (dynamic int8 matmuls, CPU)",
+        help="time the draft as generate/bench --draft-int8 runs it (int8 matmuls, CPU)",
+    )
+    ap.add_argument(
+        "--int8-kernel", choices=INT8_KERNELS, default="auto",
+        help="with --draft-int8, what runs the int8 matmuls, as generate/bench --int8-kernel (default auto)",
     )
     ap.add_argument(
         "--prefill-tokens", type=int, default=512,
@@ -110,7 +114,7 @@ def main() -> None:
         if wants_cpu_kernel(args.cpu_kernel, model.dtype, "cpu"):
             use_cpu_kernel(model)
         if role == "draft" and args.draft_int8:
-            model = int8_draft(model)
+            model = int8_draft(model, args.int8_kernel)
         vocab = int(model.config.get_text_config().vocab_size)
         head = DraftHead(model, args.draft_vocab, [], vocab) if role == "draft" and args.draft_vocab else None
         timers[role] = ForwardTimer(model, args.context, vocab, head)

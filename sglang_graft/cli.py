@@ -67,6 +67,7 @@ def _verify_costs(text: str) -> tuple[tuple[int, float], ...] | str:
 def _engine_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``generate`` and ``bench``."""
     from sglang_graft.engine.cpu_linear import CPU_KERNEL_MODES
+    from sglang_graft.engine.draft_int8 import INT8_KERNELS
 
     p.add_argument("--target", required=True, help="target model folder (transformers format), or 'tiny'")
     p.add_argument("--draft", help="draft model folder with the target's tokenizer, or 'tiny' (not needed by ar/retrieval)")
@@ -91,6 +92,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "as loaded): about half the time per forward of a 0.5B draft on 2 cores, same top-1 "
                         "agreement with the target; lossless (the target verifies). Lower --draft-cost-ratio to "
                         "match (scripts/bench_forward_cost.py --draft-int8 measures it)")
+    p.add_argument("--int8-kernel", choices=INT8_KERNELS, default="auto",
+                   help="with --draft-int8, what runs the int8 matmuls: amx (AMX tiles, Intel Xeon Sapphire Rapids "
+                        "or later; compiled once with g++, ~2 s: a draft forward over 8-20 tokens then costs about "
+                        "what one over 1 token does), fbgemm (PyTorch's dynamic int8 linear), auto (default: amx "
+                        "where it runs, the log says when it does not)")
     p.add_argument("--draft-window", type=int, default=0, metavar="N",
                    help="the draft model reads only the last N tokens of each prompt, which bounds its prefill "
                         "on very long prompts while the target and retrieval still read all of it; lossless, but "
@@ -219,6 +225,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_vocab=args.draft_vocab,
         draft_window=args.draft_window,
         draft_int8=args.draft_int8,
+        draft_int8_kernel=args.int8_kernel,
         gates=GateConfig(mode=args.gates),
         draft_cost_ratio=args.draft_cost_ratio,
         seed_draft=args.seed_draft,

@@ -98,12 +98,12 @@ def test_span_reader_is_the_bf16_source_of_an_int8_draft(models, monkeypatch):
     bf16 = copy.deepcopy(draft).to(torch.bfloat16)
     int8_linear = torch.ao.nn.quantized.dynamic.Linear
     monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    quantized = int8_draft(bf16)
+    quantized = int8_draft(bf16, "fbgemm")  # the same module kinds on every host
     assert span_reader(quantized) is bf16
     # The bf16 source reads the prompts, so the MLP output projections are int8 too.
     assert all(type(layer.mlp.down_proj) is int8_linear for layer in quantized.model.layers)
     monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"avx2"}))
-    alone = int8_draft(bf16)
+    alone = int8_draft(bf16, "fbgemm")
     assert span_reader(alone) is None  # no native bf16: the int8 draft reads faster
     assert all(type(layer.mlp.down_proj) is CastLinear for layer in alone.model.layers)
     monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"amx_bf16"}))

@@ -106,7 +106,7 @@ def run_bench(
     # the loaded one (they are what a user would run today).
     ours = pair
     if settings.engine.draft_int8 and pair.draft is not None:
-        ours = dataclasses.replace(pair, draft=int8_draft(pair.draft))
+        ours = dataclasses.replace(pair, draft=int8_draft(pair.draft, settings.engine.draft_int8_kernel))
 
     def method(name: str) -> _Method:
         return _Method(name, pair if name in BASELINES else ours, settings)
@@ -209,6 +209,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_cost_ratio": settings.engine.draft_cost_ratio,
         "draft_read_cost": settings.engine.resolved_read_cost,
         "draft_int8": settings.engine.draft_int8,
+        "draft_int8_kernel": settings.engine.draft_int8_kernel,
         "seed_draft": settings.engine.seed_draft,
         "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,

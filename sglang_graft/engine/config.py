@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_graft.cost import DEFAULT_READ_COST, check_cost_ratio, check_read_cost
+from sglang_graft.engine.draft_int8 import INT8_KERNELS
 from sglang_graft.prune import GateConfig
 from sglang_graft.scheduler import POLICIES, SchedulerConfig
 
@@ -45,6 +46,10 @@ class EngineConfig:
             the time per draft forward for a 0.5B draft on 2 cores, with the same top-1
             agreement with the target. Lossless either way (the target verifies); the
             engine quantizes a copy, the loaded draft is left as it was.
+        draft_int8_kernel: with ``draft_int8``, what runs the int8 matmuls
+            (``engine.draft_int8.INT8_KERNELS``): ``amx`` (AMX tiles, Intel Sapphire Rapids and
+            later: a draft forward over 8-20 tokens costs about what one over 1 does),
+            ``fbgemm`` (PyTorch's dynamic int8 linear), ``auto`` (``amx`` where it runs).
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine
@@ -78,6 +83,7 @@ class EngineConfig:
     draft_vocab: int = 0
     draft_window: int = 0
     draft_int8: bool = False
+    draft_int8_kernel: str = "auto"
     gates: GateConfig = field(default_factory=GateConfig)
     draft_cost_ratio: float | None = None
     seed_draft: bool = True
@@ -101,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"draft_vocab must be >= 0 token ids (0: the full LM head), got {self.draft_vocab}")
         if self.continue_drafts < 0:
             raise ValueError(f"continue_drafts must be >= 0 draft nodes per request (0: off), got {self.continue_drafts}")
+        if self.draft_int8_kernel not in INT8_KERNELS:
+            raise ValueError(f"draft_int8_kernel must be one of {INT8_KERNELS}, got {self.draft_int8_kernel!r}")
         check_cost_ratio(self.draft_cost_ratio)
         if self.draft_read_cost is not None:
             check_read_cost(self.draft_read_cost)

@@ -123,27 +123,35 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
+def build_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDLL:
+    """Compile ``source`` with ``flags`` (once per source version and flags) into
+    ``$SGLANG_GRAFT_CACHE/kernels`` and load it; ``what`` names the kernel in logs and errors.
+    Import torch first, so the library links PyTorch's OpenMP runtime."""
+    if _compiler() is None:
+        raise RuntimeError(f"the {what} needs a C++ compiler (install g++, or set CXX)")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    folder = cache_root() / "kernels"
+    path = folder / f"{source.stem}-{digest}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        log.info("compiling the %s into %s (once)", what, path)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            out = Path(tmp) / path.name
+            cmd = [str(_compiler()), *flags, str(source), "-o", str(out)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"compiling the {what} failed ({' '.join(cmd)}):\n{done.stderr}")
+            os.replace(out, path)  # atomic: a concurrent build never loads a half-written file
+    return ctypes.CDLL(str(path))
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     """Build (once per source version) and load the kernel library."""
     problem = _platform_problem()
     if problem is not None:
         raise RuntimeError(f"the CPU linear kernel cannot run here: {problem}")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    folder = cache_root() / "kernels"
-    path = folder / f"cpu_linear-{digest}.so"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        log.info("compiling the CPU linear kernel into %s (once)", path)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            out = Path(tmp) / path.name
-            cmd = [str(_compiler()), *_FLAGS, str(SOURCE), "-o", str(out)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"compiling the CPU linear kernel failed ({' '.join(cmd)}):\n{done.stderr}")
-            os.replace(out, path)  # atomic: a concurrent build never loads a half-written file
-    lib = ctypes.CDLL(str(path))
+    lib = build_library(SOURCE, _FLAGS, "CPU linear kernel")
     lib.graft_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
     lib.graft_linear.restype = None
     return lib

@@ -69,7 +69,7 @@ class SpecEngine:
         if config.uses_draft and draft is None:
             raise ValueError(f"policy {config.policy!r} needs a draft model")
         if draft is not None and config.draft_int8 and config.uses_draft:
-            draft = int8_draft(draft)
+            draft = int8_draft(draft, config.draft_int8_kernel)
         if draft is not None and config.draft_cost_ratio is None:
             ratio = weight_cost_ratio(draft, target, config.draft_vocab)
             config = dataclasses.replace(config, draft_cost_ratio=ratio)

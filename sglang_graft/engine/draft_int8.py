@@ -31,11 +31,21 @@ target's greedy token be the draft's top-1 on 62% of Spec-Bench positions instea
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 import warnings
 
 import torch
 
+from sglang_graft.engine.amx_int8 import AmxInt8Linear, amx_unavailable_reason, fits_amx
 from sglang_graft.engine.cpu_linear import KernelLinear, cpu_flags, native_bf16, replace_module, share_linear
+
+log = logging.getLogger(__name__)
+
+#: ``--int8-kernel`` choices: ``amx`` runs the int8 layers whose shapes it takes on AMX
+#: tiles (``engine.amx_int8``), ``fbgemm`` all of them through PyTorch's dynamic int8 linear,
+#: ``auto`` picks ``amx`` where it can run.
+INT8_KERNELS = ("auto", "amx", "fbgemm")
 
 #: Linear layers left in the loaded dtype when the int8 draft reads prompts itself, by the
 #: last part of their module name: the MLP output projection of Llama/Qwen-style decoders
@@ -56,21 +66,50 @@ def is_int8_draft(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "_graft_int8_draft", False))
 
 
-def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
+def resolve_int8_kernel(kernel: str) -> str:
+    """``amx`` or ``fbgemm`` for an ``--int8-kernel`` choice; ``ValueError`` for an unknown
+    one, or for ``amx`` where it cannot run (naming why)."""
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"--int8-kernel must be one of {', '.join(INT8_KERNELS)}, got {kernel!r}")
+    if kernel == "fbgemm":
+        return kernel
+    problem = amx_unavailable_reason()
+    if problem is None:
+        return "amx"
+    if kernel == "amx":
+        raise ValueError(f"--int8-kernel amx: {problem}; use --int8-kernel fbgemm or auto")
+    _say_fallback(problem)
+    return "fbgemm"
+
+
+@functools.cache
+def _say_fallback(problem: str) -> None:
+    log.info("--int8-kernel auto: the int8 draft runs PyTorch's dynamic int8 linear (FBGEMM): %s", problem)
+
+
+def int8_kernel(model: torch.nn.Module) -> str | None:
+    """Which kernel an ``int8_draft`` runs (``amx`` or ``fbgemm``); None for other models."""
+    return getattr(model, "_graft_int8_kernel", None)
+
+
+def int8_draft(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     """An int8 copy of a draft causal LM on the CPU (``model`` itself is left as it was).
 
-    Every ``nn.Linear`` becomes a dynamic int8 linear (per-channel weights) except the LM
-    head and, unless ``model`` can read the prompts (``reads_spans``), the ``KEPT_LINEARS``:
-    those keep the loaded dtype and share the loaded model's weights (``CastLinear``, or
-    ``KernelLinear`` when the model runs the CPU kernel; the LM head stays a linear layer
-    that ``DraftHead`` can slice). Raises ``ValueError`` for a model off the CPU, where
-    PyTorch has no dynamic int8 kernels.
+    Every ``nn.Linear`` becomes an int8 linear (per-channel weights, activations quantized
+    per call) except the LM head and, unless ``model`` can read the prompts
+    (``reads_spans``), the ``KEPT_LINEARS``: those keep the loaded dtype and share the
+    loaded model's weights (``CastLinear``, or ``KernelLinear`` when the model runs the CPU
+    kernel; the LM head stays a linear layer that ``DraftHead`` can slice). The int8 layers
+    run on AMX tiles where ``kernel`` (``INT8_KERNELS``) resolves to ``amx`` and their shape
+    fits, else through PyTorch's dynamic int8 linear. Raises ``ValueError`` for a model off
+    the CPU, where PyTorch has no dynamic int8 kernels, and for a ``kernel`` that cannot run.
     """
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(f"--draft-int8 runs on the CPU only (PyTorch's dynamic int8 kernels); the draft is on {device}")
     if is_int8_draft(model):
         return model
+    kernel = resolve_int8_kernel(kernel)
     head = model.get_output_embeddings()
     reader = model if reads_spans(model) else None
     kept_names = () if reader is not None else KEPT_LINEARS
@@ -84,6 +123,10 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
     swaps = {**{n: share_linear(torch.nn.Linear, m) for n, m in out.named_modules() if type(m) is KernelLinear}, **kept}
     for name, linear in swaps.items():
         replace_module(out, name, linear)
+    if kernel == "amx":
+        for name, m in list(out.named_modules()):
+            if type(m) is torch.nn.Linear and fits_amx(m):
+                replace_module(out, name, AmxInt8Linear.from_linear(m))
     quantized = {
         name: torch.ao.quantization.per_channel_dynamic_qconfig
         for name, m in out.named_modules()
@@ -93,6 +136,7 @@ def int8_draft(model: torch.nn.Module) -> torch.nn.Module:
         warnings.simplefilter("ignore")
         out = torch.ao.quantization.quantize_dynamic(out, quantized, dtype=torch.qint8, inplace=True)
     out._graft_int8_draft = True
+    out._graft_int8_kernel = kernel
     # A plain attribute, not a submodule: the reader's parameters stay out of this model's.
     # It keeps the loaded model alive, which the caller (ModelPair, bench) holds anyway.
     out.__dict__["_graft_reader"] = reader

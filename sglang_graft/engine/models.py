@@ -30,6 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from sglang_graft.engine.amx_int8 import AmxInt8Linear
 from sglang_graft.engine.attention import use_gqa_attention
 from sglang_graft.engine.cpu_linear import use_cpu_kernel, wants_cpu_kernel
 
@@ -153,6 +154,8 @@ def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_voc
                 total += m.weight.numel() * m.weight.element_size()
             elif isinstance(m, torch.ao.nn.quantized.dynamic.Linear):  # an ``int8_draft``'s
                 total += m.weight().numel()  # one byte per int8 weight
+            elif isinstance(m, AmxInt8Linear):
+                total += m.packed.numel()
         return total
 
     draft_bytes = linear_bytes(draft)

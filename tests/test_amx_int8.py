@@ -1,0 +1,110 @@
+"""The AMX int8 kernel (``engine/amx_int8.py``): exactly the arithmetic it documents, refused
+where it cannot run, and lossless inside the int8 draft. Kernel tests skip on CPUs
+without AMX; the choice and refusal tests run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine import draft_int8 as draft_int8_module
+from sglang_graft.engine.amx_int8 import AmxInt8Linear, amx_unavailable_reason, fits_amx, quantize_weight
+from sglang_graft.engine.draft_int8 import int8_draft, int8_kernel, resolve_int8_kernel
+from sglang_graft.engine.models import weight_cost_ratio
+
+REASON = amx_unavailable_reason()
+needs_amx = pytest.mark.skipif(REASON is not None, reason=f"the AMX int8 kernel cannot run here: {REASON}")
+
+PROMPTS = [[5, 9, 11, 3, 17, 5, 9, 11], [40, 41, 42, 43, 40, 41, 42], [7, 7, 8, 100, 7, 7, 8, 100, 7]]
+
+
+def reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """The kernel's arithmetic, with exact integer sums: each row of ``x`` quantized to int8
+    with its own scale (``x * (127 / max|x|)`` rounded half to even, as AVX512 converts),
+    times the per-channel int8 weights, rescaled, plus the bias."""
+    q, w_scale = quantize_weight(linear.weight)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(x * inv).clamp(-127, 127)
+    sums = xq.double() @ q.double().T
+    out = sums * (amax.double() / 127.0) * w_scale.double()
+    return out + (0.0 if linear.bias is None else linear.bias.double())
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 40])
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(32, 64, True), (96, 192, False), (64, 128, True)])
+def test_kernel_computes_its_documented_arithmetic(rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+    x = torch.randn(rows, in_features, generator=gen) * 4
+    x[0, 3] = 40.0  # an outlier in one row: per-row scales keep it from clipping the others
+    with torch.no_grad():
+        got = AmxInt8Linear.from_linear(linear)(x)
+        exact = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), reference(x, linear), rtol=1e-5, atol=1e-4)
+    # and close to the float layer it stands for
+    assert float((got - exact).norm() / exact.norm()) < 0.03
+
+
+@needs_amx
+def test_leading_dimensions_and_a_zero_row():
+    linear = torch.nn.Linear(64, 32)
+    layer = AmxInt8Linear.from_linear(linear)
+    x = torch.randn(2, 3, 64)
+    x[1, 2] = 0.0
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got.reshape(6, 32).double(), reference(x.reshape(6, 64), linear), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[1, 2], linear.bias.detach())  # an all-zero row gives the bias
+
+
+def test_shapes_and_inputs_it_does_not_take_are_refused_by_name():
+    assert fits_amx(torch.nn.Linear(64, 32)) and not fits_amx(torch.nn.Linear(32, 32))
+    assert not fits_amx(torch.nn.Linear(64, 48))
+    with pytest.raises(ValueError, match=r"in_features % 64 == 0, got 32 x 60"):
+        AmxInt8Linear.from_linear(torch.nn.Linear(60, 32))
+    layer = AmxInt8Linear(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32), None)  # no kernel call needed
+    with pytest.raises(ValueError, match="float32 CPU inputs with 64 features, got torch.bfloat16"):
+        layer(torch.zeros(1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="with 64 features, got torch.float32 on cpu with 32"):
+        layer(torch.zeros(1, 32))
+
+
+def test_kernel_choice_falls_back_or_refuses_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="--int8-kernel must be one of auto, amx, fbgemm, got 'vnni'"):
+        resolve_int8_kernel("vnni")
+    with pytest.raises(ValueError, match="draft_int8_kernel must be one of"):
+        EngineConfig(policy="graft", draft_int8=True, draft_int8_kernel="vnni")
+    assert resolve_int8_kernel("fbgemm") == "fbgemm"
+    monkeypatch.setattr(draft_int8_module, "amx_unavailable_reason", lambda: "this CPU lacks amx_int8")
+    assert resolve_int8_kernel("auto") == "fbgemm"
+    with pytest.raises(ValueError, match="--int8-kernel amx: this CPU lacks amx_int8; use --int8-kernel fbgemm or auto"):
+        resolve_int8_kernel("amx")
+    _, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
+    q = int8_draft(draft)  # auto, with AMX unavailable
+    assert int8_kernel(q) == "fbgemm" and not any(isinstance(m, AmxInt8Linear) for m in q.modules())
+
+
+@needs_amx
+@pytest.mark.parametrize("policy", ["dense", "graft"])
+def test_an_amx_int8_draft_is_lossless(policy):
+    target, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
+    q = int8_draft(draft, "amx")
+    assert int8_kernel(q) == "amx" and int8_kernel(draft) is None
+    amx = [n for n, m in q.named_modules() if isinstance(m, AmxInt8Linear)]
+    assert any(n.endswith("self_attn.q_proj") for n in amx) and any(n.endswith("mlp.up_proj") for n in amx)
+    assert type(q.get_output_embeddings()) is not AmxInt8Linear  # the head stays sliceable for DraftHead
+    assert weight_cost_ratio(q, target) < weight_cost_ratio(draft, target)  # one byte per int8 weight
+    ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, 24)
+    config = EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel="amx")
+    engine = SpecEngine(target, draft, config)
+    assert int8_kernel(engine.draft) == "amx"
+    batch = engine.generate(PROMPTS, 24)
+    assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]
+    assert sum(r.accepted["draft"] for r in batch.requests) > 0, "no draft accepted: the test would prove nothing"
