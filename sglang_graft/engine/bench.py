@@ -25,7 +25,7 @@ from sglang_graft.engine.baselines import BASELINES, HFBaseline
 from sglang_graft.engine.config import ENGINE_POLICIES, EngineConfig
 from sglang_graft.engine.cpu_linear import KernelLinear
 from sglang_graft.engine.decoder import SpecEngine
-from sglang_graft.engine.draft_int8 import int8_draft
+from sglang_graft.engine.draft_int8 import int8_draft, resolve_int8_kernel
 from sglang_graft.engine.models import ModelPair
 from sglang_graft.engine.outputs import RequestOutput, Totals
 from sglang_graft.engine.prompts import Question, encode_prompt
@@ -209,7 +209,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "draft_cost_ratio": settings.engine.draft_cost_ratio,
         "draft_read_cost": settings.engine.resolved_read_cost,
         "draft_int8": settings.engine.draft_int8,
-        "draft_int8_kernel": settings.engine.draft_int8_kernel,
+        "draft_int8_kernel": resolve_int8_kernel(settings.engine.draft_int8_kernel) if settings.engine.draft_int8 else None,
         "seed_draft": settings.engine.seed_draft,
         "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,
