@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch  # imported before the library loads, so it links PyTorch's OpenMP runtime
 
-from sglang_graft.engine.cpu_linear import _compiler, build_library, cpu_flags
+from sglang_graft.engine.cpu_linear import build_library, cpu_flags, cxx_compiler
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_amx.cpp"
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mamx-tile", "-mamx-int8", "-fopenmp", "-shared", "-fPIC")
@@ -41,7 +41,7 @@ def amx_unavailable_reason() -> str | None:
     missing = sorted(_CPU_FLAGS - cpu_flags())
     if missing:
         return f"this CPU lacks {', '.join(missing)} (AMX int8 needs an Intel Xeon of the Sapphire Rapids generation or later)"
-    if _compiler() is None:
+    if cxx_compiler() is None:
         return "no C++ compiler found (install g++, or set CXX)"
     try:
         _library()

@@ -65,7 +65,7 @@ def _platform_problem() -> str | None:
     """What this machine lacks to build and run the kernel, or None."""
     if not {"avx2", "fma"} <= cpu_flags():
         return "this CPU lacks AVX2/FMA (or /proc/cpuinfo is unreadable)"
-    if _compiler() is None:
+    if cxx_compiler() is None:
         return "no C++ compiler found (install g++, or set CXX)"
     return None
 
@@ -119,7 +119,8 @@ def _warn_fallback(problem: str) -> None:
     log.warning("--cpu-kernel auto: PyTorch's own linear layers run instead of the CPU kernel: %s", problem)
 
 
-def _compiler() -> str | None:
+def cxx_compiler() -> str | None:
+    """The C++ compiler the kernels build with ($CXX, else g++ or c++), or None."""
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
@@ -127,7 +128,7 @@ def build_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDL
     """Compile ``source`` with ``flags`` (once per source version and flags) into
     ``$SGLANG_GRAFT_CACHE/kernels`` and load it; ``what`` names the kernel in logs and errors.
     Import torch first, so the library links PyTorch's OpenMP runtime."""
-    if _compiler() is None:
+    if cxx_compiler() is None:
         raise RuntimeError(f"the {what} needs a C++ compiler (install g++, or set CXX)")
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
@@ -137,7 +138,7 @@ def build_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDL
         log.info("compiling the %s into %s (once)", what, path)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / path.name
-            cmd = [str(_compiler()), *flags, str(source), "-o", str(out)]
+            cmd = [str(cxx_compiler()), *flags, str(source), "-o", str(out)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"compiling the {what} failed ({' '.join(cmd)}):\n{done.stderr}")
