@@ -94,9 +94,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "match (scripts/bench_forward_cost.py --draft-int8 measures it)")
     p.add_argument("--int8-kernel", choices=INT8_KERNELS, default="auto",
                    help="with --draft-int8, what runs the int8 matmuls: amx (AMX tiles, Intel Xeon Sapphire Rapids "
-                        "or later; compiled once with g++, ~2 s: a draft forward over 8-20 tokens then costs about "
-                        "what one over 1 token does), fbgemm (PyTorch's dynamic int8 linear), auto (default: amx "
-                        "where it runs, the log says when it does not)")
+                        "or later: a draft forward over 8-20 tokens then costs about what one over 1 token does), "
+                        "vnni (AVX512-VNNI: AMD Zen 4, Intel Cascade Lake or later), both compiled once with g++ "
+                        "(~3 s); fbgemm (PyTorch's dynamic int8 linear); auto (default: the first of amx, vnni, "
+                        "fbgemm that runs here; the log says when it falls back to fbgemm)")
     p.add_argument("--draft-window", type=int, default=0, metavar="N",
                    help="the draft model reads only the last N tokens of each prompt, which bounds its prefill "
                         "on very long prompts while the target and retrieval still read all of it; lossless, but "

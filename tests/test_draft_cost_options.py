@@ -134,7 +134,7 @@ def test_draft_window_reads_only_the_prompts_tail_and_stays_lossless(models, mon
 def test_copy_is_quantized_but_for_the_kept_projections_and_leaves_the_draft_alone(models):
     target, draft = models
     before = {k: v.clone() for k, v in draft.state_dict().items()}
-    q = int8_draft(draft, "fbgemm")  # the same module kinds on every host (tests/test_amx_int8.py: amx)
+    q = int8_draft(draft, "fbgemm")  # the same module kinds on every host (tests/test_int8_linear.py: amx, vnni)
     assert is_int8_draft(q) and not is_int8_draft(draft)
     assert int8_draft(q) is q  # already quantized: returned as is
     after = draft.state_dict()

@@ -48,8 +48,9 @@ class EngineConfig:
             engine quantizes a copy, the loaded draft is left as it was.
         draft_int8_kernel: with ``draft_int8``, what runs the int8 matmuls
             (``engine.draft_int8.INT8_KERNELS``): ``amx`` (AMX tiles, Intel Sapphire Rapids and
-            later: a draft forward over 8-20 tokens costs about what one over 1 does),
-            ``fbgemm`` (PyTorch's dynamic int8 linear), ``auto`` (``amx`` where it runs).
+            later: a draft forward over 8-20 tokens costs about what one over 1 does), ``vnni``
+            (AVX512-VNNI: AMD Zen 4, Intel Cascade Lake and later), ``fbgemm`` (PyTorch's
+            dynamic int8 linear), ``auto`` (the first of ``amx``, ``vnni``, ``fbgemm`` that runs).
         gates: confidence gates of ``pruned`` and ``graft``.
         draft_cost_ratio: draft forward time / target forward time for the cost-aware
             depth of ``pruned`` and ``graft`` (see ``sglang_graft.cost``); None: the engine

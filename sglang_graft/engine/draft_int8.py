@@ -37,15 +37,16 @@ import warnings
 
 import torch
 
-from sglang_graft.engine.amx_int8 import AmxInt8Linear, amx_unavailable_reason, fits_amx
+from sglang_graft.engine.int8_linear import KERNELS, Int8Linear, fits, unavailable_reason
 from sglang_graft.engine.cpu_linear import KernelLinear, cpu_flags, native_bf16, replace_module, share_linear
 
 log = logging.getLogger(__name__)
 
-#: ``--int8-kernel`` choices: ``amx`` runs the int8 layers whose shapes it takes on AMX
-#: tiles (``engine.amx_int8``), ``fbgemm`` all of them through PyTorch's dynamic int8 linear,
-#: ``auto`` picks ``amx`` where it can run.
-INT8_KERNELS = ("auto", "amx", "fbgemm")
+#: ``--int8-kernel`` choices: ``amx`` and ``vnni`` run the int8 layers whose shapes they
+#: take on the project's kernel (``engine.int8_linear``: AMX tiles, AVX512-VNNI), ``fbgemm``
+#: all of them through PyTorch's dynamic int8 linear, ``auto`` picks the first of ``amx``,
+#: ``vnni``, ``fbgemm`` that can run.
+INT8_KERNELS = ("auto", *KERNELS, "fbgemm")
 
 #: Linear layers left in the loaded dtype when the int8 draft reads prompts itself, by the
 #: last part of their module name: the MLP output projection of Llama/Qwen-style decoders
@@ -67,18 +68,24 @@ def is_int8_draft(model: torch.nn.Module) -> bool:
 
 
 def resolve_int8_kernel(kernel: str) -> str:
-    """``amx`` or ``fbgemm`` for an ``--int8-kernel`` choice; ``ValueError`` for an unknown
-    one, or for ``amx`` where it cannot run (naming why)."""
+    """``amx``, ``vnni`` or ``fbgemm`` for an ``--int8-kernel`` choice; ``ValueError`` for
+    an unknown one, or for ``amx`` or ``vnni`` where it cannot run (naming why)."""
     if kernel not in INT8_KERNELS:
         raise ValueError(f"--int8-kernel must be one of {', '.join(INT8_KERNELS)}, got {kernel!r}")
     if kernel == "fbgemm":
         return kernel
-    problem = amx_unavailable_reason()
-    if problem is None:
-        return "amx"
-    if kernel == "amx":
-        raise ValueError(f"--int8-kernel amx: {problem}; use --int8-kernel fbgemm or auto")
-    _say_fallback(problem)
+    if kernel != "auto":
+        problem = unavailable_reason(kernel)
+        if problem is not None:
+            raise ValueError(f"--int8-kernel {kernel}: {problem}; use --int8-kernel fbgemm or auto")
+        return kernel
+    problems = []
+    for candidate in KERNELS:
+        problem = unavailable_reason(candidate)
+        if problem is None:
+            return candidate
+        problems.append(problem)
+    _say_fallback("; ".join(problems))
     return "fbgemm"
 
 
@@ -88,7 +95,7 @@ def _say_fallback(problem: str) -> None:
 
 
 def int8_kernel(model: torch.nn.Module) -> str | None:
-    """Which kernel an ``int8_draft`` runs (``amx`` or ``fbgemm``); None for other models."""
+    """Which kernel an ``int8_draft`` runs (``amx``, ``vnni`` or ``fbgemm``); None for other models."""
     return getattr(model, "_graft_int8_kernel", None)
 
 
@@ -100,8 +107,8 @@ def int8_draft(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     (``reads_spans``), the ``KEPT_LINEARS``: those keep the loaded dtype and share the
     loaded model's weights (``CastLinear``, or ``KernelLinear`` when the model runs the CPU
     kernel; the LM head stays a linear layer that ``DraftHead`` can slice). The int8 layers
-    run on AMX tiles where ``kernel`` (``INT8_KERNELS``) resolves to ``amx`` and their shape
-    fits, else through PyTorch's dynamic int8 linear. Raises ``ValueError`` for a model off
+    run on the project's kernel where ``kernel`` (``INT8_KERNELS``) resolves to ``amx`` or
+    ``vnni`` and their shape fits, else through PyTorch's dynamic int8 linear. Raises ``ValueError`` for a model off
     the CPU, where PyTorch has no dynamic int8 kernels, and for a ``kernel`` that cannot run.
     """
     device = next(model.parameters()).device
@@ -123,10 +130,10 @@ def int8_draft(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     swaps = {**{n: share_linear(torch.nn.Linear, m) for n, m in out.named_modules() if type(m) is KernelLinear}, **kept}
     for name, linear in swaps.items():
         replace_module(out, name, linear)
-    if kernel == "amx":
+    if kernel in KERNELS:
         for name, m in list(out.named_modules()):
-            if type(m) is torch.nn.Linear and fits_amx(m):
-                replace_module(out, name, AmxInt8Linear.from_linear(m))
+            if type(m) is torch.nn.Linear and fits(m):
+                replace_module(out, name, Int8Linear.from_linear(m, kernel))
     quantized = {
         name: torch.ao.quantization.per_channel_dynamic_qconfig
         for name, m in out.named_modules()

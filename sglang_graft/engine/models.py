@@ -30,7 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from sglang_graft.engine.amx_int8 import AmxInt8Linear
+from sglang_graft.engine.int8_linear import Int8Linear
 from sglang_graft.engine.attention import use_gqa_attention
 from sglang_graft.engine.cpu_linear import use_cpu_kernel, wants_cpu_kernel
 
@@ -154,7 +154,7 @@ def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_voc
                 total += m.weight.numel() * m.weight.element_size()
             elif isinstance(m, torch.ao.nn.quantized.dynamic.Linear):  # an ``int8_draft``'s
                 total += m.weight().numel()  # one byte per int8 weight
-            elif isinstance(m, AmxInt8Linear):
+            elif isinstance(m, Int8Linear):
                 total += m.packed.numel()
         return total
 

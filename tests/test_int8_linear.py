@@ -1,6 +1,6 @@
-"""The AMX int8 kernel (``engine/amx_int8.py``): exactly the arithmetic it documents, refused
-where it cannot run, and lossless inside the int8 draft. Kernel tests skip on CPUs
-without AMX; the choice and refusal tests run everywhere."""
+"""The int8 kernels (``engine/int8_linear.py``, AMX and AVX512-VNNI): exactly the arithmetic
+they document, refused where they cannot run, and lossless inside the int8 draft. Each
+kernel's tests skip on CPUs without it; the choice and refusal tests run everywhere."""
 
 from __future__ import annotations
 
@@ -9,12 +9,19 @@ import torch
 
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine import draft_int8 as draft_int8_module
-from sglang_graft.engine.amx_int8 import AmxInt8Linear, amx_unavailable_reason, fits_amx, quantize_weight
+from sglang_graft.engine import int8_linear
 from sglang_graft.engine.draft_int8 import int8_draft, int8_kernel, resolve_int8_kernel
+from sglang_graft.engine.int8_linear import KERNELS, Int8Linear, fits, quantize_weight
 from sglang_graft.engine.models import weight_cost_ratio
 
-REASON = amx_unavailable_reason()
-needs_amx = pytest.mark.skipif(REASON is not None, reason=f"the AMX int8 kernel cannot run here: {REASON}")
+#: Every kernel, each skipped where it cannot run (naming why).
+EACH_KERNEL = pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param(k, marks=pytest.mark.skipif(why is not None, reason=f"the {k} int8 kernel cannot run here: {why}"))
+        for k, why in ((k, int8_linear.unavailable_reason(k)) for k in KERNELS)
+    ],
+)
 
 PROMPTS = [[5, 9, 11, 3, 17, 5, 9, 11], [40, 41, 42, 43, 40, 41, 42], [7, 7, 8, 100, 7, 7, 8, 100, 7]]
 
@@ -32,10 +39,10 @@ def reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return out + (0.0 if linear.bias is None else linear.bias.double())
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 40])
+@EACH_KERNEL
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 32, 40])
 @pytest.mark.parametrize(("out_features", "in_features", "bias"), [(32, 64, True), (96, 192, False), (64, 128, True)])
-def test_kernel_computes_its_documented_arithmetic(rows, out_features, in_features, bias):
+def test_kernel_computes_its_documented_arithmetic(kernel, rows, out_features, in_features, bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
@@ -43,7 +50,7 @@ def test_kernel_computes_its_documented_arithmetic(rows, out_features, in_featur
     x = torch.randn(rows, in_features, generator=gen) * 4
     x[0, 3] = 40.0  # an outlier in one row: per-row scales keep it from clipping the others
     with torch.no_grad():
-        got = AmxInt8Linear.from_linear(linear)(x)
+        got = Int8Linear.from_linear(linear, kernel)(x)
         exact = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), reference(x, linear), rtol=1e-5, atol=1e-4)
@@ -51,10 +58,10 @@ def test_kernel_computes_its_documented_arithmetic(rows, out_features, in_featur
     assert float((got - exact).norm() / exact.norm()) < 0.03
 
 
-@needs_amx
-def test_leading_dimensions_and_a_zero_row():
+@EACH_KERNEL
+def test_leading_dimensions_and_a_zero_row(kernel):
     linear = torch.nn.Linear(64, 32)
-    layer = AmxInt8Linear.from_linear(linear)
+    layer = Int8Linear.from_linear(linear, kernel)
     x = torch.randn(2, 3, 64)
     x[1, 2] = 0.0
     with torch.no_grad():
@@ -65,11 +72,16 @@ def test_leading_dimensions_and_a_zero_row():
 
 
 def test_shapes_and_inputs_it_does_not_take_are_refused_by_name():
-    assert fits_amx(torch.nn.Linear(64, 32)) and not fits_amx(torch.nn.Linear(32, 32))
-    assert not fits_amx(torch.nn.Linear(64, 48))
+    assert fits(torch.nn.Linear(64, 32)) and not fits(torch.nn.Linear(32, 32))
+    assert not fits(torch.nn.Linear(64, 48))
     with pytest.raises(ValueError, match=r"in_features % 64 == 0, got 32 x 60"):
-        AmxInt8Linear.from_linear(torch.nn.Linear(60, 32))
-    layer = AmxInt8Linear(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32), None)  # no kernel call needed
+        Int8Linear.from_linear(torch.nn.Linear(60, 32), "vnni")
+    packed, scale = torch.zeros(32, 64, dtype=torch.int8), torch.ones(32)
+    with pytest.raises(ValueError, match="int8 kernel must be one of amx, vnni, got 'avx2'"):
+        Int8Linear("avx2", packed, scale, None, None)
+    with pytest.raises(ValueError, match="the vnni kernel needs a weight-sum correction"):
+        Int8Linear("vnni", packed, scale, None, None)
+    layer = Int8Linear("amx", packed, scale, None, None)  # no kernel call needed
     with pytest.raises(ValueError, match="float32 CPU inputs with 64 features, got torch.bfloat16"):
         layer(torch.zeros(1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="with 64 features, got torch.float32 on cpu with 32"):
@@ -77,34 +89,40 @@ def test_shapes_and_inputs_it_does_not_take_are_refused_by_name():
 
 
 def test_kernel_choice_falls_back_or_refuses_by_name(monkeypatch):
-    with pytest.raises(ValueError, match="--int8-kernel must be one of auto, amx, fbgemm, got 'vnni'"):
-        resolve_int8_kernel("vnni")
+    with pytest.raises(ValueError, match="--int8-kernel must be one of auto, amx, vnni, fbgemm, got 'avx2'"):
+        resolve_int8_kernel("avx2")
     with pytest.raises(ValueError, match="draft_int8_kernel must be one of"):
-        EngineConfig(policy="graft", draft_int8=True, draft_int8_kernel="vnni")
+        EngineConfig(policy="graft", draft_int8=True, draft_int8_kernel="avx2")
     assert resolve_int8_kernel("fbgemm") == "fbgemm"
-    monkeypatch.setattr(draft_int8_module, "amx_unavailable_reason", lambda: "this CPU lacks amx_int8")
+    missing = {"amx": "this CPU lacks amx_int8", "vnni": "this CPU lacks avx512_vnni"}
+    monkeypatch.setattr(int8_linear, "unavailable_reason", lambda k: missing.get(k))
+    monkeypatch.setattr(draft_int8_module, "unavailable_reason", lambda k: missing.get(k))
     assert resolve_int8_kernel("auto") == "fbgemm"
     with pytest.raises(ValueError, match="--int8-kernel amx: this CPU lacks amx_int8; use --int8-kernel fbgemm or auto"):
         resolve_int8_kernel("amx")
+    with pytest.raises(ValueError, match="--int8-kernel vnni: this CPU lacks avx512_vnni; use --int8-kernel fbgemm"):
+        resolve_int8_kernel("vnni")
     _, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
-    q = int8_draft(draft)  # auto, with AMX unavailable
-    assert int8_kernel(q) == "fbgemm" and not any(isinstance(m, AmxInt8Linear) for m in q.modules())
+    q = int8_draft(draft)  # auto, with neither kernel available
+    assert int8_kernel(q) == "fbgemm" and not any(isinstance(m, Int8Linear) for m in q.modules())
+    missing.pop("vnni")  # a VNNI host without AMX: auto takes vnni
+    assert resolve_int8_kernel("auto") == "vnni"
 
 
-@needs_amx
+@EACH_KERNEL
 @pytest.mark.parametrize("policy", ["dense", "graft"])
-def test_an_amx_int8_draft_is_lossless(policy):
+def test_an_int8_draft_on_the_kernel_is_lossless(kernel, policy):
     target, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
-    q = int8_draft(draft, "amx")
-    assert int8_kernel(q) == "amx" and int8_kernel(draft) is None
-    amx = [n for n, m in q.named_modules() if isinstance(m, AmxInt8Linear)]
-    assert any(n.endswith("self_attn.q_proj") for n in amx) and any(n.endswith("mlp.up_proj") for n in amx)
-    assert type(q.get_output_embeddings()) is not AmxInt8Linear  # the head stays sliceable for DraftHead
+    q = int8_draft(draft, kernel)
+    assert int8_kernel(q) == kernel and int8_kernel(draft) is None
+    ours = [n for n, m in q.named_modules() if isinstance(m, Int8Linear) and m.kernel == kernel]
+    assert any(n.endswith("self_attn.q_proj") for n in ours) and any(n.endswith("mlp.up_proj") for n in ours)
+    assert type(q.get_output_embeddings()) is not Int8Linear  # the head stays sliceable for DraftHead
     assert weight_cost_ratio(q, target) < weight_cost_ratio(draft, target)  # one byte per int8 weight
     ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, 24)
-    config = EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel="amx")
+    config = EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel=kernel)
     engine = SpecEngine(target, draft, config)
-    assert int8_kernel(engine.draft) == "amx"
+    assert int8_kernel(engine.draft) == kernel
     batch = engine.generate(PROMPTS, 24)
     assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]
     assert sum(r.accepted["draft"] for r in batch.requests) > 0, "no draft accepted: the test would prove nothing"
