@@ -41,7 +41,10 @@ def reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
 
 @EACH_KERNEL
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 32, 40])
-@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(32, 64, True), (96, 192, False), (64, 128, True)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "bias"),
+    [(32, 64, True), (96, 192, False), (64, 128, True), (32, 4864, False)],  # 4864: the 0.5B draft's down_proj
+)
 def test_kernel_computes_its_documented_arithmetic(kernel, rows, out_features, in_features, bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
