@@ -108,8 +108,9 @@ def int8_draft(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     loaded model's weights (``CastLinear``, or ``KernelLinear`` when the model runs the CPU
     kernel; the LM head stays a linear layer that ``DraftHead`` can slice). The int8 layers
     run on the project's kernel where ``kernel`` (``INT8_KERNELS``) resolves to ``amx`` or
-    ``vnni`` and their shape fits, else through PyTorch's dynamic int8 linear. Raises ``ValueError`` for a model off
-    the CPU, where PyTorch has no dynamic int8 kernels, and for a ``kernel`` that cannot run.
+    ``vnni`` and their shape fits, else through PyTorch's dynamic int8 linear. Raises
+    ``ValueError`` for a model off the CPU, where PyTorch has no dynamic int8 kernels, and for
+    a ``kernel`` that cannot run.
     """
     device = next(model.parameters()).device
     if device.type != "cpu":
