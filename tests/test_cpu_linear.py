@@ -1,8 +1,9 @@
-"""The AVX2 linear kernel (``engine.cpu_linear``): exact against float64, batch-invariant,
-and decoding through it stays lossless.
+"""The CPU linear kernels (``engine.cpu_linear``: AVX2, and AVX512-BF16 for bf16 x bf16):
+exact against float64, batch-invariant, and decoding through them stays lossless.
 
 Skipped where the kernel cannot run (no AVX2/FMA, no C++ compiler): there ``auto`` never
-selects it, so nothing else depends on it.
+selects it, so nothing else depends on it. The AVX512-BF16 path's tests skip on CPUs
+without it; the AVX2 path's bf16 tests run everywhere (the faster path switched off).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine import cpu_linear as cpu_linear_module
 from sglang_graft.engine.cpu_linear import (
     KernelLinear,
+    _bf16_dot_library,
     _library,
     _warn_fallback,
     cpu_linear,
@@ -67,6 +70,33 @@ def test_matches_float64_and_rows_are_batch_invariant(m, n, k, w_dtype, x_dtype,
     assert torch.equal(cpu_linear(x.flip(0), w, bias), out.flip(0))
 
 
+@pytest.fixture(params=["bf16-dot", "avx2"])
+def bf16_path(request, monkeypatch):
+    """Which path bf16 x bf16 products take: AVX512-BF16 (skipped where the CPU lacks it)
+    or AVX2 (the faster path switched off)."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_linear_module, "_bf16_dot_library", lambda: None)
+    elif _bf16_dot_library() is None:
+        pytest.skip("this CPU lacks AVX512-BF16 (or building that path failed)")
+    return request.param
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 13, 70])  # 2 x 8 and 4 x 6 blocks, partial blocks, two passes of 64
+@pytest.mark.parametrize("k", [29, 96, 1543])  # a tail only, full steps only, both
+def test_bf16_paths_match_float64_and_are_batch_invariant(bf16_path, m, k):
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    w = torch.randn(45, k, generator=gen).bfloat16()  # 45: 8- and 6-row blocks with a remainder
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(45, generator=gen).bfloat16()
+    out = cpu_linear(x, w, bias)
+    ref = x.double() @ w.double().t() + bias.double()
+    assert bool(((out.double() - ref).abs() <= _error_bound(x, w, bias, ref, torch.bfloat16)).all())
+    for i in range(m):
+        assert torch.equal(cpu_linear(x[i : i + 1], w, bias)[0], out[i])
+    order = torch.randperm(m, generator=gen)
+    assert torch.equal(cpu_linear(x[order], w, bias), out[order])
+
+
 def test_leading_dims_and_large_blocks():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(70, 300, generator=gen).bfloat16()
@@ -107,6 +137,16 @@ def test_mode_resolution():
     assert not wants_cpu_kernel("auto", torch.float32, "cuda")
     assert wants_cpu_kernel("auto", torch.float32, "cpu")
     assert wants_cpu_kernel("on", torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("flags", "chosen"),
+    [({"avx2", "fma"}, True), ({"avx2", "fma", "avx512_bf16"}, True), ({"avx2", "fma", "avx512_bf16", "amx_bf16"}, False)],
+)
+def test_auto_leaves_bf16_to_pytorch_on_amx_cpus_only(monkeypatch, flags, chosen):
+    monkeypatch.setattr(cpu_linear_module, "cpu_flags", lambda: frozenset(flags))
+    assert wants_cpu_kernel("auto", torch.bfloat16, "cpu") is chosen
+    assert wants_cpu_kernel("auto", torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

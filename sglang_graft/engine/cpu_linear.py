@@ -1,21 +1,29 @@
-"""Linear layers through the project's own AVX2 kernel on CPUs without native bf16 matmul.
+"""Linear layers through the project's own CPU kernels where PyTorch's are slow.
 
-On such CPUs (AMD Zen 2/3, Intel before Cooper Lake) PyTorch's bf16 ``F.linear`` runs at
-about 12 GFLOP/s whatever the row count (measured on a 2-core AMD EPYC, Zen 2): a
-target verify over 8 tokens costs 6.4 one-token decode steps, a 512-token draft prefill
-34 s, and speculation cannot pay. Its float32 linear (MKL) is slow from 2 to 16 rows too
-(2 tokens cost 1.8 decode steps). ``csrc/cpu_linear.cpp`` reads the weights as loaded
-(bf16 or float32, no copy) and computes in float32: at one row it streams the weights at
-the memory bandwidth, and from 2 to 16 rows it runs 5-6x faster than the bf16 path.
+On CPUs without native bf16 matmul (AMD Zen 2/3, Intel before Cooper Lake) PyTorch's bf16
+``F.linear`` runs at about 12 GFLOP/s whatever the row count (measured on a 2-core AMD
+EPYC, Zen 2): a target verify over 8 tokens costs 6.4 one-token decode steps, a 512-token
+draft prefill 34 s, and speculation cannot pay. Its float32 linear (MKL) is slow from 2 to
+16 rows too (2 tokens cost 1.8 decode steps). ``csrc/cpu_linear.cpp`` (AVX2) reads the
+weights as loaded (bf16 or float32, no copy) and computes in float32: at one row it
+streams the weights at the memory bandwidth, and from 2 to 16 rows it runs 5-6x faster
+than the bf16 path.
+
+On CPUs with AVX512-BF16 but no AMX (AMD Zen 4, Intel Cooper Lake) PyTorch's bf16 path is
+native but slow at one row and steep above eight: the 1.5B target's linear layers took
+195 ms for one token and 293 for sixteen on a 2-core Zen 4 EPYC. There bf16 x bf16
+products take ``csrc/bf16_dot_linear.cpp`` (VDPBF16PS, 32 bf16 pairs per instruction,
+float32 accumulation, weights as loaded): 119-135 ms for one token, 197-218 for sixteen.
+On AMX CPUs PyTorch's own bf16 path is fast at every count and ``auto`` keeps it.
 
 Every output is one fixed-order float32 dot product, whichever rows share the call, so
 the linear layers give a token bitwise the same outputs in a one-token decode step as in
 a tree verify. Plain decoding and every speculative policy run the same layers (and so
 do transformers' baselines in a bench), so the comparison stays fair.
 
-The kernel is compiled once per source version with the host's C++ compiler (about two
+The kernels are compiled once per source version with the host's C++ compiler (a few
 seconds) into ``$SGLANG_GRAFT_CACHE/kernels`` (default ``~/.cache/sglang-graft/kernels``) and
-loaded with ctypes; its OpenMP threads are PyTorch's own (``torch.set_num_threads``).
+loaded with ctypes; their OpenMP threads are PyTorch's own (``torch.set_num_threads``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ log = logging.getLogger(__name__)
 CPU_KERNEL_MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_linear.cpp"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+BF16_DOT_SOURCE = Path(__file__).parent / "csrc" / "bf16_dot_linear.cpp"
+_BF16_DOT_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+#: What the bf16 x bf16 path needs from the CPU (``/proc/cpuinfo`` flags).
+BF16_DOT_NEEDS = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -83,12 +95,12 @@ def unavailable_reason() -> str | None:
 
 
 def wants_cpu_kernel(mode: str, dtype: torch.dtype, device: str) -> bool:
-    """Whether to run linear layers through the kernel under ``--cpu-kernel mode``; when
-    True, the kernel is built and loaded.
+    """Whether to run linear layers through the kernels under ``--cpu-kernel mode``; when
+    True, they are built and loaded.
 
     ``auto``: on a CPU device, for float32 models, and for bf16 models where the CPU has no
-    native bf16 (there PyTorch's own bf16 path is fast); where the kernel cannot run, it
-    logs why and answers False. ``on`` insists and raises ``ValueError`` naming what is
+    AMX (there PyTorch's own bf16 path is fast at every row count); where the kernel cannot
+    run, it logs why and answers False. ``on`` insists and raises ``ValueError`` naming what is
     missing; ``off``: never.
     """
     if mode not in CPU_KERNEL_MODES:
@@ -99,7 +111,7 @@ def wants_cpu_kernel(mode: str, dtype: torch.dtype, device: str) -> bool:
         problem = f"the models are on {device!r}, not the CPU"
     elif dtype not in _WEIGHT_DTYPES:
         problem = f"the kernel reads bfloat16 or float32 weights, the models are {dtype}"
-    elif mode == "auto" and dtype == torch.bfloat16 and native_bf16(cpu_flags()):
+    elif mode == "auto" and dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
         return False
     else:
         problem = unavailable_reason()
@@ -158,10 +170,27 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _bf16_dot_library() -> ctypes.CDLL | None:
+    """The AVX512-BF16 library for bf16 x bf16 products, built and loaded once; None where
+    the CPU lacks AVX512-BF16 or the build fails (logged: the AVX2 path runs instead)."""
+    if not BF16_DOT_NEEDS <= cpu_flags():
+        return None
+    try:
+        lib = build_library(BF16_DOT_SOURCE, _BF16_DOT_FLAGS, "AVX512-BF16 linear kernel")
+    except (RuntimeError, OSError) as err:
+        log.warning("the AVX512-BF16 linear kernel is unavailable, bf16 layers take the AVX2 path: %s", err)
+        return None
+    lib.graft_bf16_dot_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    lib.graft_bf16_dot_linear.restype = None
+    return lib
+
+
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through the kernel, computed in float32 and returned in
-    ``x``'s dtype (bfloat16 or float32). ``weight`` is a contiguous ``[N, K]`` bfloat16 or
-    float32 CPU tensor; ``bias`` takes its dtype."""
+    """``F.linear(x, weight, bias)`` through the kernel, accumulated in float32 and returned
+    in ``x``'s dtype (bfloat16 or float32). ``weight`` is a contiguous ``[N, K]`` bfloat16 or
+    float32 CPU tensor; ``bias`` takes its dtype. bf16 activations times bf16 weights run on
+    the AVX512-BF16 path where the CPU has it, everything else on the AVX2 path."""
     if weight.dtype not in _WEIGHT_DTYPES or weight.device.type != "cpu" or not weight.is_contiguous():
         raise ValueError(
             f"cpu_linear needs a contiguous bfloat16 or float32 CPU weight, got {weight.dtype} on "
@@ -175,6 +204,12 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     rows = x.reshape(math.prod(x.shape[:-1]), k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     b = None if bias is None else bias.to(weight.dtype).contiguous()
+    bf16_dot = _bf16_dot_library() if x.dtype == weight.dtype == torch.bfloat16 else None
+    if bf16_dot is not None:
+        bf16_dot.graft_bf16_dot_linear(
+            rows.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(), rows.shape[0], n, k
+        )
+        return out.reshape(*x.shape[:-1], n)
     _library().graft_linear(
         rows.data_ptr(),
         weight.data_ptr(),
