@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine.cpu_linear import KernelLinear, unavailable_reason, use_cpu_kernel
 from sglang_graft.engine.draft_int8 import CastLinear, int8_draft, span_reader
 from sglang_graft.engine.drafter import ModelDrafter
 
@@ -111,3 +112,19 @@ def test_span_reader_is_the_bf16_source_of_an_int8_draft(models, monkeypatch):
     # The reader is no submodule: the int8 draft's parameters are its own (float32 and kept bf16 ones).
     names = {n for n, _ in quantized.named_parameters()}
     assert not any("_graft_reader" in n for n in names)
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"CPU kernel: {unavailable_reason()}")
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_a_kernel_draft_reads_spans_only_on_the_bf16_dot_path(models, monkeypatch, bf16_dot):
+    _, draft = models
+    bf16 = copy.deepcopy(draft).to(torch.bfloat16)
+    use_cpu_kernel(bf16)
+    monkeypatch.setattr("sglang_graft.engine.draft_int8.cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr("sglang_graft.engine.draft_int8.bf16_dot_available", lambda: bf16_dot)
+    quantized = int8_draft(bf16, "fbgemm")
+    # AVX512-BF16 products read a prompt as fast as PyTorch's native bf16 ones; the AVX2 path's
+    # widened float32 ones do not, and there the int8 draft reads and keeps down_proj as loaded.
+    assert (span_reader(quantized) is bf16) is bf16_dot
+    kept = {type(layer.mlp.down_proj) for layer in quantized.model.layers}
+    assert kept == ({torch.ao.nn.quantized.dynamic.Linear} if bf16_dot else {KernelLinear})

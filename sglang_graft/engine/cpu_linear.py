@@ -186,6 +186,11 @@ def _bf16_dot_library() -> ctypes.CDLL | None:
     return lib
 
 
+def bf16_dot_available() -> bool:
+    """Whether bf16 x bf16 products take the AVX512-BF16 path here (it is then built and loaded)."""
+    return _bf16_dot_library() is not None
+
+
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the kernel, accumulated in float32 and returned
     in ``x``'s dtype (bfloat16 or float32). ``weight`` is a contiguous ``[N, K]`` bfloat16 or
