@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine import cpu_linear as cpu_linear_module
 from sglang_graft.engine.cpu_linear import (
+    BF16_DOT_MAX_ROWS,
     KernelLinear,
     _bf16_dot_library,
     _library,
@@ -81,7 +82,7 @@ def bf16_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 13, 70])  # 2 x 8 and 4 x 6 blocks, partial blocks, two passes of 64
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 13, BF16_DOT_MAX_ROWS])  # 2 x 8 and 4 x 6 blocks, partial blocks
 @pytest.mark.parametrize("k", [29, 96, 1543])  # a tail only, full steps only, both
 def test_bf16_paths_match_float64_and_are_batch_invariant(bf16_path, m, k):
     gen = torch.Generator().manual_seed(m * 1000 + k)
@@ -97,12 +98,24 @@ def test_bf16_paths_match_float64_and_are_batch_invariant(bf16_path, m, k):
     assert torch.equal(cpu_linear(x[order], w, bias), out[order])
 
 
+def test_bf16_dot_path_leaves_long_calls_to_pytorch():
+    if _bf16_dot_library() is None:
+        pytest.skip("this CPU lacks AVX512-BF16 (or building that path failed)")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 96, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    x = torch.randn(BF16_DOT_MAX_ROWS + 1, 96, generator=gen).bfloat16()
+    assert torch.equal(cpu_linear(x, w, bias), torch.nn.functional.linear(x, w, bias))  # a prefill: oneDNN's GEMM
+    kernel = cpu_linear(x[:BF16_DOT_MAX_ROWS], w, bias)
+    assert torch.equal(kernel[3], cpu_linear(x[3:4], w, bias)[0])  # up to the bound: the kernel's sums
+
+
 def test_leading_dims_and_large_blocks():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(70, 300, generator=gen).bfloat16()
-    x = torch.randn(2, 33, 300, generator=gen).bfloat16()
+    x = torch.randn(2, 32, 300, generator=gen).bfloat16()  # 64 rows: the kernel on either path
     out = cpu_linear(x, w)
-    assert out.shape == (2, 33, 70)
+    assert out.shape == (2, 32, 70)
     assert torch.equal(out[1, 7], cpu_linear(x[1, 7], w))
 
 
