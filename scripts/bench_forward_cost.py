@@ -12,11 +12,12 @@ and dtypes, so measure them before choosing ``--num-nodes`` and ``--draft-cost-r
 The recommended ``--num-nodes`` is the largest measured count whose verify costs at most
 ``--verify-slack`` (default 1.1x) a one-token decode step: on the hosts measured so far
 that was 16 on two Intel Xeons with AMX (a 16-token forward cost what a 1-token one does,
-24 tokens 1.3x), 8 on an AVX2 AMD EPYC (16 tokens 1.18x) and 12 on a Zen 4 EPYC with
-AVX512-BF16 (16 tokens 1.27x; there a one-token bf16 forward cost more than a two-token
-one, 297 against 246 ms, PyTorch's one-row bf16 matmul being slower). Both models stay loaded and every
-count of both is timed round-robin, so a host whose speed drifts between minutes slows
-them all alike (the draft/target ratio most of all needs that).
+24 tokens 1.3x), 8 on an AVX2 AMD EPYC (16 tokens 1.18x), and on a Zen 4 EPYC with
+AVX512-BF16 12 with PyTorch's bf16 matmuls (16 tokens 1.27x; a one-token forward cost
+more than a two-token one, 297 against 246 ms) and 4 with the project's kernel there
+(166 ms for 1 token, 190 for 8, 213 for 12: faster at every count, but steeper). Both
+models stay loaded and every count of both is timed round-robin, so a host whose speed
+drifts between minutes slows them all alike (the draft/target ratio most of all needs that).
 
 It also prints the whole curve as ``--verify-costs``: with it, ``pruned``, ``retrieval``
 and ``graft`` choose each round's verify width themselves (up to ``--num-nodes``), keeping
