@@ -149,7 +149,9 @@ def build_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDL
     Import torch first, so the library links PyTorch's OpenMP runtime."""
     if cxx_compiler() is None:
         raise RuntimeError(f"the {what} needs a C++ compiler (install g++, or set CXX)")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    # The headers beside the source count too: a kernel includes them.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
     path = folder / f"{source.stem}-{digest}.so"
     if not path.exists():

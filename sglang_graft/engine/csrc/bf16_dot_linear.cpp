@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "row_prefetch.h"
+
 namespace {
 
 using bf16 = uint16_t;
@@ -63,10 +65,6 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Bytes ahead of the current k that each weight row stream prefetches: the hardware
-// prefetchers lose the stream at every short row (a 1536-wide row is 3 KB).
-constexpr long kPrefetchBytes = 1024;
-
 // One k-step of 32 for a register block: acc[i][j] += x[i][k:k+32] . w[j][k:k+32] pairwise.
 // The tail step loads only the `tail` k that exist (masked, the rest zeros).
 template <int MR, int NR, bool Tail>
@@ -89,18 +87,9 @@ inline void dots(const bf16* x, long ldx, const bf16* w, long K, float out[MR][N
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  // One cache line per weight row per step, kPrefetchBytes ahead; past a row's end it runs
-  // into the next register block's rows. Prefetches never fault; the address is formed as
-  // an integer.
-  const uintptr_t wbase = reinterpret_cast<uintptr_t>(w);
-  constexpr long ahead_k = kPrefetchBytes / static_cast<long>(sizeof(bf16));
   long k = 0;
   for (; k + 32 <= K; k += 32) {
-    const long ahead = k + ahead_k;
-    for (int j = 0; j < NR; ++j) {
-      const long at = ahead < K ? j * K + ahead : (j + NR) * K + (ahead - K);
-      _mm_prefetch(reinterpret_cast<const char*>(wbase + at * sizeof(bf16)), _MM_HINT_T0);
-    }
+    prefetch_rows<NR>(w, K, k);
     step<MR, NR, false>(x, ldx, w, K, k, 0, acc);
   }
   if (k < K) step<MR, NR, true>(x, ldx, w, K, k, static_cast<__mmask32>((1u << (K - k)) - 1), acc);

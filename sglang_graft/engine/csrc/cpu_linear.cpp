@@ -34,6 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_prefetch.h"
+
 namespace {
 
 inline float bf16_to_f32(uint16_t v) {
@@ -68,12 +70,6 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// Bytes ahead of the current k that each weight row stream prefetches. Why: the hardware
-// prefetchers lose the stream at every short row (a 1536-wide bf16 row is 3 KB), and from
-// 4 rows up the FMA work keeps too few loads in flight, so without it a 4-row product cost
-// 1.4x a 1-row one on a Zen 2 core instead of ~1.0x (scripts: bench_forward_cost.py).
-constexpr long kPrefetchBytes = 1024;
-
 // One k-step of 8 for a register block: acc[i][j] += x[i][k:k+8] * w[j][k:k+8] lane-wise.
 template <int MR, int NR, typename T>
 inline void step(const float* x, const T* w, long K, long k, __m256 acc[MR][NR]) {
@@ -92,19 +88,9 @@ inline void dots(const float* x, const T* w, long K, float out[MR][NR]) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  // Software prefetch, one cache line per weight row per 32 k, kPrefetchBytes ahead; past a
-  // row's end it runs into the same stream of the next register block (rows NR further on).
-  // Prefetches never fault, so running past the last row is harmless; the address is formed
-  // as an integer.
-  const uintptr_t wbase = reinterpret_cast<uintptr_t>(w);
-  constexpr long ahead_k = kPrefetchBytes / static_cast<long>(sizeof(T));
   long k = 0;
   for (; k + 32 <= K; k += 32) {
-    const long ahead = k + ahead_k;
-    for (int j = 0; j < NR; ++j) {
-      const long at = ahead < K ? j * K + ahead : (j + NR) * K + (ahead - K);
-      _mm_prefetch(reinterpret_cast<const char*>(wbase + at * sizeof(T)), _MM_HINT_T0);
-    }
+    prefetch_rows<NR>(w, K, k);  // one line per weight row per 32 k
     for (long kk = k; kk < k + 32; kk += 8) step<MR, NR>(x, w, K, kk, acc);
   }
   for (; k + 8 <= K; k += 8) step<MR, NR>(x, w, K, k, acc);
