@@ -19,10 +19,12 @@ from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
 from sglang_graft.engine import cpu_linear as cpu_linear_module
 from sglang_graft.engine.cpu_linear import (
     BF16_DOT_MAX_ROWS,
+    BF16_DOT_NEEDS,
     KernelLinear,
     _bf16_dot_library,
     _library,
     _warn_fallback,
+    cpu_flags,
     cpu_linear,
     unavailable_reason,
     use_cpu_kernel,
@@ -77,9 +79,16 @@ def bf16_path(request, monkeypatch):
     or AVX2 (the faster path switched off)."""
     if request.param == "avx2":
         monkeypatch.setattr(cpu_linear_module, "_bf16_dot_library", lambda: None)
-    elif _bf16_dot_library() is None:
-        pytest.skip("this CPU lacks AVX512-BF16 (or building that path failed)")
+    else:
+        _require_bf16_dot()
     return request.param
+
+
+def _require_bf16_dot() -> None:
+    """Skip where the CPU lacks AVX512-BF16; where it has it, the path must build."""
+    if not BF16_DOT_NEEDS <= cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(BF16_DOT_NEEDS - cpu_flags()))}")
+    assert _bf16_dot_library() is not None, "the AVX512-BF16 path failed to build (see the log)"
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 13, BF16_DOT_MAX_ROWS])  # 2 x 8 and 4 x 6 blocks, partial blocks
@@ -99,8 +108,7 @@ def test_bf16_paths_match_float64_and_are_batch_invariant(bf16_path, m, k):
 
 
 def test_bf16_dot_path_leaves_long_calls_to_pytorch():
-    if _bf16_dot_library() is None:
-        pytest.skip("this CPU lacks AVX512-BF16 (or building that path failed)")
+    _require_bf16_dot()
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(40, 96, generator=gen).bfloat16()
     bias = torch.randn(40, generator=gen).bfloat16()

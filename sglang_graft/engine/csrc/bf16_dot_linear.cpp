@@ -34,35 +34,16 @@
 #include <cstdint>
 #include <cstring>
 
-#include "row_prefetch.h"
+#include "linear_common.h"
 
 namespace {
 
 using bf16 = uint16_t;
 
-inline float bf16_to_f32(bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline bf16 f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest, ties to even
-  return static_cast<bf16>(bits >> 16);
-}
-
+// Sixteen lanes: the two halves added, then the eight-lane tree.
 inline float lane_sum(__m512 v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
   const __m256 hi = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(v), 1));
-  const __m256 h = _mm256_add_ps(lo, hi);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return ::lane_sum(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
 }
 
 // One k-step of 32 for a register block: acc[i][j] += x[i][k:k+32] . w[j][k:k+32] pairwise.

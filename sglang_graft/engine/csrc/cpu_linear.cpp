@@ -34,34 +34,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "row_prefetch.h"
+#include "linear_common.h"
 
 namespace {
 
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest, ties to even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline float to_f32(float v) { return v; }
 inline float to_f32(uint16_t v) { return bf16_to_f32(v); }
-
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
