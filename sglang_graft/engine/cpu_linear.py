@@ -18,9 +18,10 @@ On AMX CPUs PyTorch's own bf16 path is fast at every count and ``auto`` keeps it
 
 Every output is one fixed-order float32 dot product, whichever rows share the call, so
 the linear layers give a token bitwise the same outputs in a one-token decode step as in
-a tree verify (on the AVX512-BF16 path for calls of up to ``BF16_DOT_MAX_ROWS`` rows: longer
-ones, prefills, are PyTorch's there, and plain decoding and speculation prefill alike). Plain decoding and every speculative policy run the same layers (and so
-do transformers' baselines in a bench), so the comparison stays fair.
+a tree verify (on the AVX512-BF16 path, calls of up to ``BF16_DOT_MAX_ROWS`` rows: longer
+ones, prefills, are PyTorch's there, and plain decoding and speculation prefill alike).
+Plain decoding and every speculative policy run the same layers (and so do transformers'
+baselines in a bench), so the comparison stays fair.
 
 The kernels are compiled once per source version with the host's C++ compiler (a few
 seconds) into ``$SGLANG_GRAFT_CACHE/kernels`` (default ``~/.cache/sglang-graft/kernels``) and
