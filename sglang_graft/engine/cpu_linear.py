@@ -217,10 +217,11 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"cpu_linear: input has {x.shape[-1]} features, the weight expects {k}")
-    rows = x.reshape(math.prod(x.shape[:-1]), k).contiguous()
+    m = math.prod(x.shape[:-1])
     bf16_dot = _bf16_dot_library() if x.dtype == weight.dtype == torch.bfloat16 else None
-    if bf16_dot is not None and rows.shape[0] > BF16_DOT_MAX_ROWS:
+    if bf16_dot is not None and m > BF16_DOT_MAX_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
+    rows = x.reshape(m, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     b = None if bias is None else bias.to(weight.dtype).contiguous()
     if bf16_dot is not None:

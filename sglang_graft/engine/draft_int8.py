@@ -20,13 +20,12 @@ one and 256 in two thirds of its time (212 against 311 ms; a 709-token Spec-Benc
 0.60 against 1.35 s, 2-core Xeon with AMX). So there an int8 draft keeps a reference to
 the model it came from, which reads the prompt (``span_reader``), and every matmul but the
 LM head is int8; the same holds when that model runs the project's CPU kernel on its
-AVX512-BF16 path (on a 2-core Zen 4 EPYC the int8 draft's 8-token forward then took 37
-ms instead of 60 with a bf16 ``down_proj``; the bf16 reader read 512 tokens in 1.45 s,
-the int8 draft in 1.40).
-Teacher-forced top-1 agreement with the target's greedy tokens (18 Spec-Bench questions,
-48 tokens each, 658 positions, 2-core AMX Xeon): 0.786 with an int8 ``down_proj``, 0.784
-with a bf16 one, at 53 against 66 ms per one-token forward; had the int8 draft read the
-prompts itself, 0.748 against 0.783. Where no bf16 reader is at hand (no native bf16, or
+AVX512-BF16 path (on a 2-core Zen 4 EPYC the int8 draft's 8-token forward then took 37 ms
+instead of 60 with a bf16 ``down_proj``; the bf16 reader read 512 tokens in 1.45 s, the
+int8 draft in 1.40). Teacher-forced top-1 agreement with the target's greedy tokens (18
+Spec-Bench questions, 48 tokens each, 658 positions, 2-core AMX Xeon): 0.786 with an int8
+``down_proj``, 0.784 with a bf16 one, at 53 against 66 ms per one-token forward; had the
+int8 draft read the prompts itself, 0.748 against 0.783. Where no bf16 reader is at hand (no native bf16, or
 the CPU kernel's AVX2 path, which widens bf16 to float32), the int8 draft reads the prompt
 itself and keeps ``down_proj`` in the loaded dtype (``CastLinear``, or ``KernelLinear``):
 quantizing it there had the target's greedy token be the draft's top-1 on 62% of
@@ -170,7 +169,7 @@ def reads_spans(model: torch.nn.Module) -> bool:
     path widening bf16 to float32) the int8 copy is the faster reader."""
     if model.get_input_embeddings().weight.dtype != torch.bfloat16 or not native_bf16(cpu_flags()):
         return False
-    return bf16_dot_available() or not any(isinstance(m, KernelLinear) for m in model.modules())
+    return not any(isinstance(m, KernelLinear) for m in model.modules()) or bf16_dot_available()
 
 
 def span_reader(draft: torch.nn.Module) -> torch.nn.Module | None:
