@@ -23,8 +23,9 @@
 // against every activation row before the next block, so each weight byte comes from
 // memory once per call and is reused from the L1 cache (on a 2-core Zen 4 this order made
 // a 16-row call 1.4x faster than running each activation block over a whole L2-sized
-// chunk). The main loop's loads are unmasked: masked ones halved its speed. Threads:
-// OpenMP, sharing PyTorch's runtime, so torch.set_num_threads applies.
+// chunk); while the later passes over a block multiply, the next block's rows are
+// prefetched (see Prefetch). The main loop's loads are unmasked: masked ones halved its
+// speed. Threads: OpenMP, sharing PyTorch's runtime, so torch.set_num_threads applies.
 #include <immintrin.h>
 
 #include <omp.h>
@@ -61,17 +62,36 @@ inline void step(const bf16* x, long ldx, const bf16* w, long K, long k, __mmask
   }
 }
 
+// What a register block prefetches while it multiplies. `ahead`: its own weight rows,
+// kPrefetchBytes ahead (a call's only pass over them, or the first block of a thread's
+// chunk). Otherwise three rows of the next block at the same k (addresses as integers: past
+// the last row they point past the weights, and prefetches never fault), so that block's
+// memory traffic overlaps this block's compute-only passes instead of following them.
+struct Prefetch {
+  bool ahead;
+  uintptr_t rows[3];
+};
+
 // One register block: MR activation rows (`ldx` apart) by NR weight rows (`K` apart); the
 // lane sums land in out[i][j].
+
 template <int MR, int NR>
-inline void dots(const bf16* x, long ldx, const bf16* w, long K, float out[MR][NR]) {
+inline void dots(const bf16* x, long ldx, const bf16* w, long K, const Prefetch& pf, float out[MR][NR]) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   long k = 0;
-  for (; k + 32 <= K; k += 32) {
-    prefetch_rows<NR>(w, K, k);
-    step<MR, NR, false>(x, ldx, w, K, k, 0, acc);
+  if (pf.ahead) {
+    for (; k + 32 <= K; k += 32) {
+      prefetch_rows<NR>(w, K, k);
+      step<MR, NR, false>(x, ldx, w, K, k, 0, acc);
+    }
+  } else {
+    for (; k + 32 <= K; k += 32) {
+      const uintptr_t at = k * sizeof(bf16);
+      for (const uintptr_t row : pf.rows) _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
+      step<MR, NR, false>(x, ldx, w, K, k, 0, acc);
+    }
   }
   if (k < K) step<MR, NR, true>(x, ldx, w, K, k, static_cast<__mmask32>((1u << (K - k)) - 1), acc);
   for (int i = 0; i < MR; ++i)
@@ -87,9 +107,9 @@ struct Call {
 };
 
 template <int MR, int NR>
-inline void block(const Call& c, long m, long n) {
+inline void block(const Call& c, long m, long n, const Prefetch& pf) {
   float out[MR][NR];
-  dots<MR, NR>(c.x + m * c.K, c.K, c.w + n * c.K, c.K, out);
+  dots<MR, NR>(c.x + m * c.K, c.K, c.w + n * c.K, c.K, pf, out);
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const float b = c.bias != nullptr ? bf16_to_f32(c.bias[n + j]) : 0.0f;
@@ -99,23 +119,38 @@ inline void block(const Call& c, long m, long n) {
 
 // The last c.M - m < MR activation rows (R or fewer) against weight rows [n, n + NR).
 template <int R, int NR>
-inline void partial(const Call& c, long m, long n) {
+inline void partial(const Call& c, long m, long n, const Prefetch& pf) {
   if constexpr (R > 0) {
     if (c.M - m == R)
-      block<R, NR>(c, m, n);
+      block<R, NR>(c, m, n, pf);
     else
-      partial<R - 1, NR>(c, m, n);
+      partial<R - 1, NR>(c, m, n, pf);
   }
 }
 
 // Weight rows [n0, n1), NR at a time, each against every activation row (MR at a time),
-// so a weight row comes from memory once and then from the L1 cache.
+// so a weight row comes from memory once and then from the L1 cache. With several passes
+// (more than MR activation rows), pass p prefetches rows p, p + passes and p + 2 passes of
+// the next block: blocks of several passes are 6 rows or fewer, so the passes cover all of
+// its rows (2 x 8 blocks only serve calls of one pass). On a 2-core Zen 5 EPYC this made
+// the 1.5B target's 8- to 16-token forwards ~5% faster, one to four tokens unchanged.
 template <int MR, int NR>
 inline void rows(const Call& c, long n0, long n1) {
+  const long passes = (c.M + MR - 1) / MR;
+  const uintptr_t w = reinterpret_cast<uintptr_t>(c.w);
+  const uintptr_t row_bytes = c.K * sizeof(bf16);
   for (long n = n0; n < n1; n += NR) {
+    const auto plan = [&](long pass) {
+      Prefetch pf{passes == 1 || (n == n0 && pass == 0), {}};
+      for (long i = 0; i < 3; ++i) {
+        const long row = pass < NR ? n + NR + std::min<long>(NR - 1, pass + i * passes) : n;
+        pf.rows[i] = w + row * row_bytes;
+      }
+      return pf;
+    };
     long m = 0;
-    for (; m + MR <= c.M; m += MR) block<MR, NR>(c, m, n);
-    partial<MR - 1, NR>(c, m, n);
+    for (; m + MR <= c.M; m += MR) block<MR, NR>(c, m, n, plan(m / MR));
+    partial<MR - 1, NR>(c, m, n, plan(m / MR));
   }
 }
 
