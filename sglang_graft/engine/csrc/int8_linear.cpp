@@ -93,6 +93,13 @@ void dequantize(const int32_t* c, const float* x_scale, const float* w_scale, co
 
 constexpr int kVnniRows = 8;  // rows per VNNI block: 2 x 8 accumulators + 2 weights + 1 broadcast fit 32 zmm
 
+// Bytes ahead of the current K group that each of a VNNI block's two weight streams
+// prefetches. Why: from a few rows on, the multiply work between two weight loads keeps too
+// few of them in flight for the hardware prefetcher alone; on a 2-core Zen 5 EPYC the 0.5B
+// draft's 168 int8 matmuls took 13.4 ms for 8 rows without it and 9.3 with it (8.0-8.3 for
+// one row either way; 1 KB ahead: 10.5 ms, 4 KB: 9.3).
+constexpr long kVnniPrefetchBytes = 2048;
+
 // Rows [0, MR) of a (shifted) x times one 32-column pair of packed weights, dequantized into y.
 template <int MR>
 void vnni_block(const uint8_t* a, long K, const int8_t* b0, const int8_t* b1, const int32_t* comp, const float* x_scale,
@@ -100,6 +107,11 @@ void vnni_block(const uint8_t* a, long K, const int8_t* b0, const int8_t* b1, co
   __m512i acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
   for (long g = 0; g < K / 4; ++g) {
+    // Past a column block's end these run into the next block's weights, or past the last
+    // (prefetches never fault; the addresses are formed as integers).
+    const uintptr_t ahead = g * kTileBytes + kVnniPrefetchBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(b0) + ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(b1) + ahead), _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(b0 + g * kTileBytes);
     const __m512i w1 = _mm512_loadu_si512(b1 + g * kTileBytes);
     for (int r = 0; r < MR; ++r) {
