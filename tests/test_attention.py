@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from sglang_graft.engine.attention import GQA_SDPA, use_gqa_attention
+from sglang_graft.engine.attention import GQA_SDPA, small_block_attention, use_gqa_attention
 from sglang_graft.engine.models import TINY_ARCHS, prepare_pair, tiny_models
 
 
@@ -60,3 +60,37 @@ def test_loaded_pair_uses_it_and_other_implementations_stay() -> None:
     target.set_attn_implementation("eager")
     use_gqa_attention(target)
     assert target.config._attn_implementation == "eager"
+
+
+# Without a mask only one-token blocks take the small path (a longer one needs causality).
+@pytest.mark.parametrize(
+    "q, mask_kind", [(1, "none"), *((q, kind) for q in (1, 5, 32) for kind in ("bool", "additive"))]
+)
+def test_small_block_attention_matches_sdpa(q: int, mask_kind: str) -> None:
+    gen = torch.Generator().manual_seed(q)
+    bs, heads, kv_heads, cached, d = 2, 6, 2, 40, 16
+    query = torch.randn(bs, heads, q, d, dtype=torch.float64, generator=gen)
+    key, value = (torch.randn(bs, kv_heads, cached + q, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    allowed = torch.rand(bs, 1, q, cached + q, generator=gen) < 0.7
+    allowed[..., cached:] |= torch.eye(q, dtype=torch.bool)  # every query sees itself
+    mask = {
+        "none": None,
+        "bool": allowed,
+        "additive": torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min),
+    }[mask_kind]
+    got = small_block_attention(query, key, value, mask, d**-0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # bf16 inputs come back in bf16, computed in float32.
+    got16 = small_block_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), allowed, d**-0.5)
+    assert got16.dtype == torch.bfloat16
+    want32 = torch.nn.functional.scaled_dot_product_attention(
+        query.bfloat16().float(), key.bfloat16().float(), value.bfloat16().float(), attn_mask=allowed, enable_gqa=True
+    )
+    torch.testing.assert_close(got16.float(), want32, rtol=0, atol=1e-2)
+
+
+def test_small_block_attention_keeps_a_row_with_nothing_to_attend_finite() -> None:
+    query, key, value = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    out = small_block_attention(query, key, value, torch.zeros(1, 1, 1, 3, dtype=torch.bool), 0.5)
+    assert torch.isfinite(out).all()
