@@ -15,7 +15,9 @@ that was 16 on two Intel Xeons with AMX (a 16-token forward cost what a 1-token 
 24 tokens 1.3x), 8 on an AVX2 AMD EPYC (16 tokens 1.18x), and on a Zen 4 EPYC with
 AVX512-BF16 12 with PyTorch's bf16 matmuls (16 tokens 1.27x; a one-token forward cost
 more than a two-token one, 297 against 246 ms) and 4 with the project's kernel there
-(166 ms for 1 token, 190 for 8, 213 for 12: faster at every count, but steeper). Both
+(166 ms for 1 token, 190 for 8, 213 for 12: faster at every count, but steeper); on a
+Zen 5 EPYC with the kernel 4, 8 or 12 from one run to the next (87-100 ms for 1 token, 105-127
+for 12: on such a host rerun it, or pass a curve to --verify-costs). Both
 models stay loaded and every count of both is timed round-robin, so a host whose speed
 drifts between minutes slows them all alike (the draft/target ratio most of all needs that).
 

@@ -12,7 +12,7 @@ so this implementation passes both and copies nothing; elsewhere it is transform
 
 Blocks of up to ``SMALL_BLOCK`` query tokens (decode steps, draft levels, verifies) skip
 SDPA on the CPU: its bf16 flash kernel is slow for few queries over a long cache (one
-query over 900 cached tokens: 0.93 ms per layer on a 2-core Zen 5 EPYC, a quarter of the
+query over 900 cached tokens: 0.93 ms per layer on a 2-core Zen 5 EPYC, a fifth of the
 1.5B target's decode step, where two matmuls and a softmax in float32 take 0.10 ms; 8
 queries 0.41 against 0.30 ms). ``small_block_attention`` computes the same attention in at
 least float32, each KV head serving its group of query heads through one matmul.

@@ -9,7 +9,8 @@ layout (``KERNELS``):
 * ``amx`` (Intel Sapphire Rapids and later): 16x the int8 work per instruction, so every
   width up to 32 rows costs about what streaming the weights does (16, 18 and 23 ms);
 * ``vnni`` (AVX512-VNNI without AMX: AMD Zen 4, Intel Cascade/Ice Lake): register-blocked
-  8 rows x 32 columns (12 / 16 / 24 ms on the Zen 4 EPYC).
+  8 rows x 32 columns, weights prefetched 2 KB ahead (12 / 16 / 24 ms on the Zen 4 EPYC
+  before the prefetch; 8.2 / 9.3 / 13.8 ms on a 2-core Zen 5 EPYC with it).
 
 ``scripts/bench_forward_cost.py --draft-int8 --int8-kernel K`` measures whole forwards.
 Weights are int8 per output channel, activations are quantized per row at each call
