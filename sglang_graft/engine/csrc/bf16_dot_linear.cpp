@@ -74,7 +74,6 @@ struct Prefetch {
 
 // One register block: MR activation rows (`ldx` apart) by NR weight rows (`K` apart); the
 // lane sums land in out[i][j].
-
 template <int MR, int NR>
 inline void dots(const bf16* x, long ldx, const bf16* w, long K, const Prefetch& pf, float out[MR][NR]) {
   __m512 acc[MR][NR];
