@@ -54,11 +54,17 @@ class RetrieverConfig:
         recycling_k: successors per token in the recycling table.
         recycling_max_nodes: rank paths a recycling proposal explores (its largest size).
         recycling_max_depth: deepest recycled node.
-        context_ngram: suffix tokens a context match needs.
+        context_ngram: suffix tokens a context match needs. 1 by default: a copy of a
+            span of the prompt usually begins right after a token the target just
+            emitted for itself, so the current suffix's last two tokens occur nowhere
+            before; with 2, every copy lost its first round. Matches of one token are
+            often chance, and the calibration (bucketed by match length) scores them so.
         history_ngram: suffix tokens a history match needs.
         max_match: match lengths are measured up to this cap.
-        max_chain: hash-chain links examined per context or history lookup.
-        max_occurrences: matches merged into one context or history proposal.
+        max_chain: hash-chain links examined per context or history lookup (32: a common
+            token's latest 8 occurrences often hold none of its longer matches).
+        max_occurrences: matches merged into one context or history proposal (2: more
+            split the slots between continuations that agree less).
         max_continuation: deepest context or history node.
         below_min_match: ``propose_below`` continues a draft path only where the request's
             tokens followed by that path match an earlier span for at least this many
@@ -87,11 +93,11 @@ class RetrieverConfig:
     recycling_k: int = 8
     recycling_max_nodes: int = 64
     recycling_max_depth: int = 6
-    context_ngram: int = 2
+    context_ngram: int = 1
     history_ngram: int = 3
     max_match: int = 64
-    max_chain: int = 8
-    max_occurrences: int = 4
+    max_chain: int = 32
+    max_occurrences: int = 2
     max_continuation: int = 16
     below_min_match: int = 4
     max_request_tokens: int = 1 << 20
