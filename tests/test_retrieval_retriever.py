@@ -130,6 +130,25 @@ def test_context_chain_exact_through_the_retriever():
     assert c.bins.tolist() == [[match_bin(2, 1.0), match_bin(3, 1.0), match_bin(4, 1.0), match_bin(5, 1.0)]]
 
 
+def test_a_copy_is_proposed_from_its_first_token():
+    """A quote usually starts right after a token the target chose itself, so the last two
+    tokens occur nowhere before: one matching token must already propose the quote (the
+    default ``context_ngram``); with two-token matches that round proposes nothing."""
+    quote = [10, 11, 12, 13, 14, 15]
+    prompt = [1] + quote + [2, 3]
+    r = _retriever(recycling=False, history=False)
+    r.start_request("q", prompt)
+    r.append("q", [10])  # "3 10" is new, "10" began the quote
+    c = r.propose(["q"], 5)
+    assert c.tokens.tolist() == [[11, 12, 13, 14, 15]]
+    assert c.parents.tolist() == [[-1, 0, 1, 2, 3]]
+    assert c.sources.tolist() == [[int(Source.CONTEXT)] * 5]
+    assert c.bins.tolist() == [[match_bin(length, 1.0) for length in (1, 2, 3, 4, 5)]]
+    r2 = _retriever(recycling=False, history=False, context_ngram=2)
+    r2.start_request("q", prompt + [10])
+    assert not r2.propose(["q"], 5).valid.any()
+
+
 def test_budget_zero_negative_and_per_request():
     r = _retriever()
     r.start_request("a", [1, 2, 1, 2, 1])
