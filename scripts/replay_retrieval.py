@@ -81,22 +81,21 @@ def record(args: argparse.Namespace) -> None:
     print(f"wrote {len(recordings)} recordings to {args.out}")
 
 
-def load(path: str) -> tuple[dict, list[Recording]]:
-    """A file ``record`` wrote: its header and recordings (a clear error for anything else)."""
+def load(path: str) -> tuple[int, frozenset[int], list[Recording]]:
+    """A file ``record`` wrote: vocabulary size, stop ids and recordings (a clear error for
+    anything else)."""
     try:
         data = json.loads(Path(path).read_text())
-        return data, [Recording(**r) for r in data["recordings"]]
+        return data["vocab_size"], frozenset(data["stop_ids"]), [Recording(**r) for r in data["recordings"]]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{path} is not a file written by 'replay_retrieval.py record' ({type(err).__name__}: {err})")
 
 
 def replay(args: argparse.Namespace) -> None:
-    data, recordings = load(args.recordings)
-    if "vocab_size" not in data or "stop_ids" not in data:
-        raise ValueError(f"{args.recordings} lacks vocab_size or stop_ids: record it again")
+    vocab_size, stop_ids, recordings = load(args.recordings)
     curve = VerifyCost.parse(args.verify_costs)
     retriever = RetrieverConfig(
-        vocab_size=data["vocab_size"],
+        vocab_size=vocab_size,
         recycling=not args.no_recycling,
         history=not args.no_history,
         context_ngram=args.context_ngram,
@@ -106,7 +105,7 @@ def replay(args: argparse.Namespace) -> None:
     scheduler = SchedulerConfig(policy="retrieval", num_nodes=args.num_nodes, verify_costs=curve.points)
     methods = {
         "retrieval": replay_retrieval(recordings, retriever, scheduler),
-        "prompt lookup": [replay_prompt_lookup(r, curve, stop_ids=frozenset(data["stop_ids"])) for r in recordings],
+        "prompt lookup": [replay_prompt_lookup(r, curve, stop_ids=stop_ids) for r in recordings],
     }
     categories = list(dict.fromkeys(r.category for r in recordings))
     print(f"{'method':14s} {'category':16s} {'tau':>5s} {'verified':>8s} {'tokens/fwd':>10s}")
