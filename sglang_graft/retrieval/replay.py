@@ -94,7 +94,6 @@ def replay_retrieval(
         raise ValueError(f"only the retrieval policy replays without a draft model, got {scheduler.policy!r}")
     source = Retriever(retriever)
     sched = GraftScheduler(scheduler, source)
-    curve = VerifyCost(scheduler.verify_costs) if scheduler.verify_costs else None
     results = []
     for rid, rec in enumerate(recordings):
         out = Replayed(rec.category)
@@ -117,7 +116,7 @@ def replay_retrieval(
             out.tokens += len(emitted)
             out.rounds += 1
             out.verified += tree.num_nodes
-            out.cost += curve(tree.num_nodes) if curve is not None else 1.0
+            out.cost += sched.verify_cost(tree.num_nodes) if sched.verify_cost is not None else 1.0
         source.finish_request(rid)
         results.append(out)
     return results
