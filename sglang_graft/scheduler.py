@@ -228,6 +228,7 @@ class GraftScheduler:
         drafts: Candidates | None,
         continues: list[torch.Tensor] | None = None,
         retrieved: Candidates | None = None,
+        seeded: bool = False,
     ) -> GraftResult:
         """The round's tree: the best ``n - 1`` of the pruned drafts and the retrieved nodes.
 
@@ -239,6 +240,13 @@ class GraftScheduler:
             continues: the ``draft_continues`` masks of the levels drafted, in order.
             retrieved: this round's ``retrieve`` result, if the caller asked for it
                 already (else it is retrieved here).
+            seeded: ``drafts`` already hold every retrieved node as a seed the draft model
+                scored (``engine.drafter``). Their calibrated draft scores then stand
+                alone: grafting the retrieved copies too would give each seed the larger
+                of two estimates of one event, which over-predicts (on 18 Spec-Bench
+                questions: 299 expected against 203 accepted seed paths, while the draft's
+                score alone expected 178 and ranked them better, Brier 0.028 against 0.035;
+                the retrieval score alone, 0.088).
         """
         if self.config.uses_draft and drafts is None and self.draft_gate is None:
             raise ValueError(f"policy {self.config.policy!r} needs draft candidates")
@@ -246,11 +254,12 @@ class GraftScheduler:
             retrieved = self.retrieve(rids)
         drafts = drafts if self.config.uses_draft else None
         retrieved = retrieved if self.config.uses_retrieval else None
+        grafted = None if seeded and drafts is not None else retrieved
         if self.compiled is not None:
-            result = self.compiled.bucketed(root_tokens, drafts, continues or [], retrieved, self.config.draft_depth)
+            result = self.compiled.bucketed(root_tokens, drafts, continues or [], grafted, self.config.draft_depth)
         else:
             pruner = self.pruner if self.config.uses_gates else None
-            result = prune_and_graft(pruner, root_tokens, drafts, continues or [], retrieved, self.config.num_nodes)
+            result = prune_and_graft(pruner, root_tokens, drafts, continues or [], grafted, self.config.num_nodes)
         if self.config.continue_drafts and drafts is not None and retrieved is not None:
             assert self.retriever is not None
             below = self.retriever.propose_below(rids, result.tree, self.config.continue_drafts)

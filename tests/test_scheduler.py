@@ -162,3 +162,33 @@ def test_scheduler_rejects_bad_settings():
     sched = GraftScheduler(SchedulerConfig(policy="dense"))
     with pytest.raises(ValueError, match="needs draft candidates"):
         sched.build_tree(["a"], torch.tensor([1]), None)
+
+
+def test_a_seeded_round_keeps_the_drafts_score_for_each_retrieved_node():
+    """When the draft model scored the retrieved nodes (seeds), its estimate stands; the
+    retrieved copy's higher score must not replace it (the larger of two estimates of one
+    event over-predicts), and the retrieved copy is not grafted a second time."""
+    retrieved = Candidates(
+        tokens=torch.tensor([[7]]),
+        parents=torch.tensor([[-1]]),
+        scores=torch.tensor([[0.9]]),
+        sources=torch.tensor([[int(Source.RECYCLING)]]),
+        valid=torch.tensor([[True]]),
+    )
+    drafts = Candidates(  # the seed (token 7, as the draft scored it), then the draft's own child of the root
+        tokens=torch.tensor([[7, 5]]),
+        parents=torch.tensor([[-1, -1]]),
+        scores=torch.tensor([[0.1, 0.5]]),
+        sources=torch.tensor([[int(Source.RECYCLING), int(Source.DRAFT)]]),
+        valid=torch.tensor([[True, True]]),
+        levels=torch.tensor([[1, 1]]),
+    )
+    sched = GraftScheduler(SchedulerConfig(policy="graft", num_nodes=4, gates=GateConfig(mode="fixed")), RandomChains(30))
+
+    def node_scores(seeded: bool) -> dict[int, float]:
+        tree, _ = sched.build_tree(["r"], torch.tensor([3]), drafts, [], retrieved, seeded=seeded)
+        real = tree.sources[0] != int(Source.FILLER)
+        return {int(t): float(s) for t, s in zip(tree.tokens[0, 1:][real[1:]], tree.scores[0, 1:][real[1:]])}
+
+    assert node_scores(seeded=True) == pytest.approx({5: 0.5, 7: 0.1})
+    assert node_scores(seeded=False) == pytest.approx({5: 0.5, 7: 0.9})  # merged copies: the best score

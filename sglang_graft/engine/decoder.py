@@ -195,13 +195,14 @@ class DecodeRun:
         if e.scheduler is None:
             return _root_only(self.roots), 0
         retrieved = e.scheduler.retrieve(self.rids)
-        drafts, gates, forwards = None, [], 0
+        drafts, gates, forwards, seeds = None, [], 0, None
         if self.drafter is not None and e.scheduler.wants_draft(retrieved, self.pending_valid.sum(dim=1)):
             seeds = retrieved if e.config.seed_draft else None
             drafts, gates, forwards = self.drafter.draft(
                 self.pending, self.pending_valid, e.scheduler.draft_continues, seeds
             )
-        return e.scheduler.build_tree(self.rids, self.roots, drafts, gates, retrieved).tree, forwards
+        tree = e.scheduler.build_tree(self.rids, self.roots, drafts, gates, retrieved, seeded=seeds is not None).tree
+        return tree, forwards
 
     def verify(self, tree: TokenTree) -> tuple[SampledVerify, torch.Tensor]:
         """One target forward over the tree; returns the acceptance and the logits."""

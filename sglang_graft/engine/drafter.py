@@ -10,7 +10,8 @@ smaller causal LM that shares the target's tokenizer and keeps its own KV cache:
    are depth 1. *Seeds* (``graft``: the round's retrieved nodes, a forest below the
    root) ride along in the same forward under a tree mask: each gets the draft's own
    score (the product of its probabilities along its path, so drafted and retrieved
-   nodes are judged alike) and its top-k children. A forward over a few more tokens costs
+   nodes are judged alike; the tree keeps that score, see ``GraftScheduler.build_tree``'s
+   ``seeded``) and its top-k children. A forward over a few more tokens costs
    about as much as over one, so retrieval deepens the draft tree for free; a root child
    that repeats a seed is the seed, and is dropped. Seeds keep their retrieval source and
    bin, so their verify outcomes keep calibrating retrieval (which decides whether the
