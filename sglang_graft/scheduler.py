@@ -246,7 +246,8 @@ class GraftScheduler:
                 of two estimates of one event, which over-predicts (on 18 Spec-Bench
                 questions: 299 expected against 203 accepted seed paths, while the draft's
                 score alone expected 178 and ranked them better, Brier 0.028 against 0.035;
-                the retrieval score alone, 0.088).
+                the retrieval score alone, 0.088). A seed whose token the draft's head
+                cannot score scores 0 (1 of those 1726).
         """
         if self.config.uses_draft and drafts is None and self.draft_gate is None:
             raise ValueError(f"policy {self.config.policy!r} needs draft candidates")
