@@ -31,7 +31,9 @@ next step: compare every policy with `sglang-graft bench --help`."""
 EXAMPLES_BENCH = """results:
   DIR/results.json  {"meta": {...}, "policies": {NAME: {"overall": BLOCK, "categories": {CAT: BLOCK}}}}
                     BLOCK = tau, draft_forwards_per_round, verify_tokens_per_round, tokens_per_s,
-                    speedup_vs_ar, accepted_share_by_source, identical_to_ar (share of prompts equal
+                    speedup_vs_ar, modelled_speedup (tokens per one-token target step of modelled
+                    decode time: --verify-costs, --draft-cost-ratio, --draft-read-cost; the same on
+                    every rerun), accepted_share_by_source, identical_to_ar (share of prompts equal
                     to ar token for token), divergences ([{question_id, position, ar_top2_margin,
                     near_tie}])
   DIR/results.md    the same as tables;  DIR/pareto.png  speedup vs tau per policy
@@ -309,7 +311,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[{args.policy}] tau={s['tau']:.2f} tokens/s={s['tokens_per_s']:.2f} tokens={s['tokens']} "
         f"rounds={s['rounds']} draft_forwards/round={s['draft_forwards_per_round']:.2f} "
-        f"verify_tokens/round={s['verify_tokens_per_round']:.1f} accepted by source: {shares}"
+        f"verify_tokens/round={s['verify_tokens_per_round']:.1f} modelled_speedup={s['modelled_speedup']:.3f} "
+        f"accepted by source: {shares}"
     )
     if args.json:
         single = len(out.requests) == 1
@@ -325,6 +328,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "seconds": out.elapsed_s,
             "draft_forwards_per_round": s["draft_forwards_per_round"],
             "verify_tokens_per_round": s["verify_tokens_per_round"],
+            "modelled_speedup": s["modelled_speedup"],
             "accepted_share_by_source": s["accepted_share_by_source"],
             "finish_reason": [r.finish_reason for r in out.requests],
         }

@@ -383,3 +383,35 @@ class VerifyCost:
         best = node_scores[:, 1:].double().sort(dim=1, descending=True).values.cumsum(dim=1).sum(dim=0) / bs
         gains = [tokens - rate * self.batch_cost(bs, w) for w, tokens in enumerate(best.tolist(), start=2)]
         return 2 + max(range(len(gains)), key=lambda i: (gains[i], -i))
+
+
+class RoundCost:
+    """What a verify round costs in one-token target steps, under the same model the gates
+    price their choices with: the verify curve at the round's width, plus
+    ``draft_cost_ratio`` per draft forward and per ``1 / read_cost`` tokens the drafter
+    read before drafting (a prompt, or the tokens of rounds it skipped).
+
+    Plain decoding costs exactly one per token, so tokens over summed costs is a speedup
+    over it in modelled decode time (prefill excluded: it is the same for every method).
+    Unlike tokens/s it does not move with the host's speed, and a rerun reproduces it to
+    the digit: the figure to compare policy changes by on a host whose speed drifts.
+
+    Args:
+        verify: the host's verify curve, or None for a flat one (every round costs one
+            step, as on a GPU).
+        draft_cost_ratio: draft forward / one-token target step (>= 0; 0 without a draft).
+        read_cost: draft forwards one read token adds (>= 0).
+    """
+
+    def __init__(self, verify: VerifyCost | None, draft_cost_ratio: float, read_cost: float) -> None:
+        if not (math.isfinite(draft_cost_ratio) and draft_cost_ratio >= 0):
+            raise ValueError(f"draft_cost_ratio must be a finite number >= 0, got {draft_cost_ratio}")
+        check_read_cost(read_cost)
+        self.verify = verify
+        self.draft_cost_ratio = float(draft_cost_ratio)
+        self.read_cost = float(read_cost)
+
+    def __call__(self, batch_size: int, width: int, draft_forwards: int = 0, read_tokens: int = 0) -> float:
+        """One round of a ``batch_size`` batch verifying ``width`` tokens per request."""
+        verify = 1.0 if self.verify is None else self.verify.batch_cost(batch_size, width)
+        return verify + self.draft_cost_ratio * (draft_forwards + self.read_cost * read_tokens)

@@ -134,7 +134,13 @@ def test_bench_writes_results(tmp_path, capsys):
     assert results["policies"]["ar"]["overall"]["tau"] == pytest.approx(1.0)
     assert results["policies"]["retrieval"]["overall"]["draft_forwards_per_round"] == 0
     assert results["policies"]["hf-assisted"]["overall"]["draft_forwards_per_round"] > 0
-    assert "| graft |" in (out / "results.md").read_text()
+    # Modelled decode time: plain decoding is worth 1 by construction; transformers'
+    # baselines are not modelled.
+    assert results["policies"]["ar"]["overall"]["modelled_speedup"] == pytest.approx(1.0)
+    assert results["policies"]["graft"]["overall"]["modelled_speedup"] > 0
+    assert results["policies"]["hf-pld"]["overall"]["modelled_speedup"] is None
+    md = (out / "results.md").read_text()
+    assert "| graft |" in md and "Modelled speedup" in md
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -333,3 +333,42 @@ def test_read_cost_follows_the_draft_kind_and_reaches_the_gate():
 def test_a_bad_read_cost_is_refused_by_name(bad):
     with pytest.raises(ValueError, match="read cost"):
         EngineConfig(policy="graft", draft_read_cost=bad)
+
+
+def test_round_cost_prices_verify_width_draft_forwards_and_reads():
+    from sglang_graft.cost import RoundCost
+
+    curve = VerifyCost([(1, 100.0), (4, 110.0), (16, 150.0)])
+    flat = RoundCost(None, 0.25, 0.05)
+    assert flat(1, 1) == 1.0
+    assert flat(3, 12) == 1.0  # a flat curve: every verify is one step
+    assert flat(1, 12, draft_forwards=3, read_tokens=40) == pytest.approx(1.0 + 0.25 * (3 + 0.05 * 40))
+    costed = RoundCost(curve, 0.25, 0.0)
+    assert costed(1, 1) == 1.0  # plain decoding: one step per token, whatever the curve
+    assert costed(1, 4, draft_forwards=2) == pytest.approx(1.1 + 0.5)
+    assert costed(2, 8) == pytest.approx(curve(16) / curve(2))  # read at the batch's token count
+    with pytest.raises(ValueError, match="draft_cost_ratio must be a finite number >= 0, got -0.1"):
+        RoundCost(None, -0.1, 0.0)
+    with pytest.raises(ValueError, match="read cost"):
+        RoundCost(None, 0.1, -1.0)
+
+
+def test_modelled_speedup_counts_what_each_round_spent():
+    """Plain decoding is worth exactly 1; ``dense`` (one width every round) costs its
+    verify point per round plus the ratio per draft forward and per read token, and the
+    first draft reads the prompt (all but its root)."""
+    torch.set_num_threads(1)
+    target, draft = tiny_models("qwen2", vocab_size=200, seed=1, hidden=32)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate([prompt], 16).requests[0]
+    assert ar.model_cost == ar.rounds == len(ar.token_ids)
+    curve = ((1, 1.0), (16, 2.0))
+    base = dict(policy="dense", num_nodes=4, draft_depth=2, draft_topk=2, draft_cost_ratio=0.3, verify_costs=curve)
+    out = SpecEngine(target, draft, EngineConfig(**base, draft_read_cost=0.0)).generate([prompt], 16).requests[0]
+    assert out.draft_forwards > 0 and out.rounds < len(out.token_ids), "the draft helped nothing: the test proves nothing"
+    assert out.model_cost == pytest.approx(out.rounds * (1.0 + 3 / 15) + 0.3 * out.draft_forwards)
+    read = SpecEngine(target, draft, EngineConfig(**base, draft_read_cost=1.0)).generate([prompt], 16).requests[0]
+    assert read.token_ids == out.token_ids
+    read_tokens = (read.model_cost - out.model_cost) / 0.3
+    assert read_tokens >= len(prompt) - 1
+    assert read_tokens == pytest.approx(round(read_tokens))

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sglang_graft.candidates import SOURCE_NAMES, Source
+from sglang_graft.cost import RoundCost, VerifyCost
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft, span_reader
@@ -86,6 +87,8 @@ class SpecEngine:
         self.retriever = retriever if config.uses_retrieval else None
         sched = config.scheduler_config()
         self.scheduler = None if sched is None else GraftScheduler(sched, self.retriever, device=self.device)
+        verify = VerifyCost(config.verify_costs) if config.verify_costs is not None else None
+        self.round_cost = RoundCost(verify, config.draft_cost_ratio or 0.0, config.resolved_read_cost)
         self._rid_counter = itertools.count()
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -189,20 +192,20 @@ class DecodeRun:
                 for rid in self.rids:
                     self.e.retriever.abort_request(rid)
 
-    def propose(self) -> tuple[TokenTree, int]:
-        """This round's tree and the number of draft forwards it took."""
+    def propose(self) -> tuple[TokenTree, int, int]:
+        """This round's tree, the draft forwards it took and the tokens the drafter read first."""
         e = self.e
         if e.scheduler is None:
-            return _root_only(self.roots), 0
+            return _root_only(self.roots), 0, 0
         retrieved = e.scheduler.retrieve(self.rids)
-        drafts, gates, forwards, seeds = None, [], 0, None
+        drafts, gates, forwards, read, seeds = None, [], 0, 0, None
         if self.drafter is not None and e.scheduler.wants_draft(retrieved, self.pending_valid.sum(dim=1)):
             seeds = retrieved if e.config.seed_draft else None
-            drafts, gates, forwards = self.drafter.draft(
+            drafts, gates, forwards, read = self.drafter.draft(
                 self.pending, self.pending_valid, e.scheduler.draft_continues, seeds
             )
         tree = e.scheduler.build_tree(self.rids, self.roots, drafts, gates, retrieved, seeded=seeds is not None).tree
-        return tree, forwards
+        return tree, forwards, read
 
     def verify(self, tree: TokenTree) -> tuple[SampledVerify, torch.Tensor]:
         """One target forward over the tree; returns the acceptance and the logits."""
@@ -225,9 +228,10 @@ class DecodeRun:
     def round(self) -> None:
         """One propose-verify-compact-learn round for every unfinished request."""
         e = self.e
-        tree, draft_forwards = self.propose()
+        tree, draft_forwards, read_tokens = self.propose()
         result, logits = self.verify(tree)
         n = tree.num_nodes
+        cost = e.round_cost(len(self.rows), n, draft_forwards, read_tokens)
         accepted = accepted_mask_from_nodes(result.accept_nodes, n)
         keep = self.target_kv.valid.clone()
         keep[:, -n:] = accepted
@@ -245,7 +249,7 @@ class DecodeRun:
         margins = (top_values[..., 0] - top_values[..., 1]) if top_values.shape[-1] > 1 else top_values[..., 0]
         emitted_margins = margins.gather(1, path)
         path_sources = tree.sources.gather(1, path)[:, 1:]
-        self._record(emitted, lengths, emitted_margins, path_sources, n if e.scheduler else 1, draft_forwards)
+        self._record(emitted, lengths, emitted_margins, path_sources, n if e.scheduler else 1, draft_forwards, cost)
         self._advance(emitted, lengths, result.bonus_tokens, drafted=draft_forwards > 0)
 
     def _record(
@@ -256,6 +260,7 @@ class DecodeRun:
         sources: torch.Tensor,
         verify_tokens: int,
         draft_forwards: int,
+        cost: float,
     ) -> None:
         """Host bookkeeping (one transfer per round): outputs, stop and length limits."""
         e = self.e
@@ -268,6 +273,7 @@ class DecodeRun:
             out.rounds += 1
             out.draft_forwards += draft_forwards
             out.verify_tokens += verify_tokens
+            out.model_cost += cost
             for s in sources_l[row][: lengths_l[row]]:
                 out.accepted[SOURCE_NAMES[s]] += 1
             room = self.max_new_tokens - len(out.token_ids)

@@ -60,6 +60,7 @@ class DraftOutput(NamedTuple):
     candidates: Candidates  # all drafted nodes, level by level (parents precede children)
     continues: list[torch.Tensor]  # the gate's answer after each level but the last
     forwards: int  # draft model forwards this round
+    read_tokens: int = 0  # tokens read before drafting, beyond the root (a prompt, skipped rounds)
 
 
 class Drafter(Protocol):
@@ -189,7 +190,9 @@ class ModelDrafter:
         self, tokens: torch.Tensor, valid: torch.Tensor, continues: ContinueFn, seeds: Candidates | None = None
     ) -> DraftOutput:
         kv = self.kv
-        tokens, valid = self._read_span(*self._reuse(tokens, valid))
+        tokens, valid = self._reuse(tokens, valid)
+        read_tokens = tokens.shape[1] - 1
+        tokens, valid = self._read_span(tokens, valid)
         bs, q = tokens.shape
         k = self.topk
         device = tokens.device
@@ -312,7 +315,7 @@ class ModelDrafter:
             bins=torch.cat([seed.bins, torch.zeros_like(drafted)], dim=1),
             levels=torch.cat(levels, dim=1),
         )
-        return DraftOutput(cands, gates, forwards)
+        return DraftOutput(cands, gates, forwards, read_tokens)
 
     # The draft's distributions live over *columns*: the draft head's kept ids with a head,
     # else the token ids below ``vocab_limit``.

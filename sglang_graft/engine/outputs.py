@@ -27,6 +27,9 @@ class RequestOutput:
         accepted: accepted proposals per source name (bonus tokens excluded).
         margins: the target's top-1 minus top-2 logit at each generated position, as
             computed in this run (how close that choice was to a tie).
+        model_cost: the rounds' modelled time in one-token target steps
+            (``sglang_graft.cost.RoundCost``; prefill excluded); 0 where not modelled
+            (transformers' baselines).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -36,6 +39,7 @@ class RequestOutput:
     verify_tokens: int = 0
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSAL_SOURCES, 0))
     margins: list[float] = field(default_factory=list)
+    model_cost: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -67,6 +71,7 @@ class Totals:
     draft_forwards: int = 0
     verify_tokens: int = 0
     seconds: float = 0.0
+    model_cost: float = 0.0
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSAL_SOURCES, 0))
 
     def add(self, r: RequestOutput, seconds: float) -> None:
@@ -75,6 +80,7 @@ class Totals:
         self.draft_forwards += r.draft_forwards
         self.verify_tokens += r.verify_tokens
         self.seconds += seconds
+        self.model_cost += r.model_cost
         for k, v in r.accepted.items():
             self.accepted[k] += v
 
@@ -85,6 +91,12 @@ class Totals:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        """Tokens per modelled one-token target step (``RequestOutput.model_cost``): the
+        speedup over plain decoding in decode time under the cost model; None unmodelled."""
+        return self.tokens / self.model_cost if self.model_cost > 0 else None
 
     def accepted_share(self) -> dict[str, float]:
         """Share of accepted proposals per source (0 everywhere when none was accepted)."""
@@ -100,5 +112,6 @@ class Totals:
             "draft_forwards_per_round": self.draft_forwards / self.rounds if self.rounds else 0.0,
             "verify_tokens_per_round": self.verify_tokens / self.rounds if self.rounds else 0.0,
             "tokens_per_s": self.tokens_per_s,
+            "modelled_speedup": self.modelled_speedup,
             "accepted_share_by_source": self.accepted_share(),
         }

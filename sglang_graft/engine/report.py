@@ -35,6 +35,11 @@ def _divergence_note(block: dict) -> str:
     return f"{len(divs)} differ ({ties} near-ties; margins {margins})"
 
 
+def _modelled(block: dict) -> str:
+    speedup = block.get("modelled_speedup")
+    return "-" if speedup is None else f"{speedup:.3f}x"
+
+
 def markdown(results: dict) -> str:
     """The overall table, then speedup per category, then divergences."""
     meta = results["meta"]
@@ -49,14 +54,14 @@ def markdown(results: dict) -> str:
         f"gates {meta['gates']}; "
         f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
         "",
-        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | identical to ar | accepted by source |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | modelled speedup | identical to ar | accepted by source |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in pol.items():
         o = p["overall"]
         lines.append(
             f"| {name} | {o['tau']:.2f} | {o['draft_forwards_per_round']:.2f} | {o['verify_tokens_per_round']:.1f} | "
-            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {100 * o['identical_to_ar']:.0f}% | "
+            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {_modelled(o)} | {100 * o['identical_to_ar']:.0f}% | "
             f"{_sources(o['accepted_share_by_source'])} |"
         )
     cats = list(next(iter(pol.values()))["categories"])
@@ -65,6 +70,11 @@ def markdown(results: dict) -> str:
     for name, p in pol.items():
         cells = [f"{p['categories'][c]['speedup_vs_ar']:.2f}x ({p['categories'][c]['tau']:.2f})" for c in cats]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any(p["overall"].get("modelled_speedup") is not None for p in pol.values()):
+        lines += ["", "Modelled speedup (decode time under the cost model, prefill excluded) per category:", ""]
+        lines += ["| policy | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+        for name, p in pol.items():
+            lines.append(f"| {name} | " + " | ".join(_modelled(p["categories"][c]) for c in cats) + " |")
     lines += ["", "Divergences from `ar` (first differing position, `ar`'s top-2 logit margin there):", ""]
     for name, p in pol.items():
         if name != "ar":
