@@ -197,6 +197,16 @@ class DraftOrRetrieve:
     explore. Exploration rounds draft every request whose prefill costs under one draft
     forward (its drafter is warm); a cold one drafts only when the yields say so.
 
+    A cold drafter (one that has read nothing of its request yet) drafts at once when its
+    prompt is short: when the read costs at most ``explore_every`` draft forwards, i.e. at
+    most one forward a round over the horizon the charge spreads it over, what an
+    exploration round pays. The read is then paid once and every later round of the
+    request weighs draft against retrieval with a warm drafter, whereas a short request
+    that waited for the gate could run out on retrieval alone. Long prompts (summaries,
+    RAG contexts) keep the charge and retrieve first. On 48 Spec-Bench questions (2-core
+    Zen 5 EPYC, priced in model time) translation gained 5% and QA 11%, mt_bench lost 1%,
+    overall +0.4%.
+
     Args:
         draft_cost_ratio: draft forward time / target verify forward time, > 0.
         ema: weight of the past in the running means.
@@ -262,10 +272,16 @@ class DraftOrRetrieve:
         return self.skipped_realised / self.skipped_predicted
 
     def wants_draft(
-        self, retrieved_scores: torch.Tensor, valid: torch.Tensor, slots: int, unread: torch.Tensor | None = None
+        self,
+        retrieved_scores: torch.Tensor,
+        valid: torch.Tensor,
+        slots: int,
+        unread: torch.Tensor | None = None,
+        cold: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[bs]`` bool from the retrieval proposal's ``[bs, m]`` calibrated scores and the
-        ``[bs]`` tokens each request's drafter has yet to read (None: a few, uncharged)."""
+        """``[bs]`` bool from the retrieval proposal's ``[bs, m]`` calibrated scores, the
+        ``[bs]`` tokens each request's drafter has yet to read (None: a few, uncharged) and
+        which drafters have read nothing yet (``[bs]`` bool; None: none)."""
         bs = retrieved_scores.shape[0]
         device = retrieved_scores.device
         self._prediction = None
@@ -282,6 +298,9 @@ class DraftOrRetrieve:
         self._prediction = float(predicted.mean())
         if self.skipped_in_a_row >= self.explore_every:
             draft |= charge * self.explore_every < self.ratio
+        if cold is not None and unread is not None:
+            short = unread.to(device=device, dtype=torch.float64) * self.read_cost <= self.explore_every
+            draft |= cold.to(device) & short
         return draft
 
     def observe(self, tokens_per_request: float, forwards: int, verify_cost: float = 1.0) -> None:

@@ -206,20 +206,26 @@ class GraftScheduler:
         assert self.retriever is not None
         return self.retriever.propose(rids, self.config.num_nodes - 1)
 
-    def wants_draft(self, retrieved: Candidates | None, unread: torch.Tensor | None = None) -> bool:
+    def wants_draft(
+        self,
+        retrieved: Candidates | None,
+        unread: torch.Tensor | None = None,
+        cold: torch.Tensor | None = None,
+    ) -> bool:
         """Before any draft forward: should the batch draft this round?
 
         Always for ``dense`` and ``pruned``; for ``graft`` with a draft cost, unless
         retrieval alone is expected to yield more tokens per unit of time for every request
         (``sglang_graft.cost.DraftOrRetrieve``), counting the ``[bs]`` ``unread`` tokens
-        each drafter would read first (a prompt it has not prefilled yet).
+        each drafter would read first (a prompt it has not prefilled yet); ``cold`` (``[bs]``
+        bool) marks the drafters that have read nothing yet.
         """
         if not self.config.uses_draft:
             return False
         if self.draft_gate is None or retrieved is None:
             return True
         slots = self.config.num_nodes - 1
-        return bool(self.draft_gate.wants_draft(retrieved.scores, retrieved.valid, slots, unread).any())
+        return bool(self.draft_gate.wants_draft(retrieved.scores, retrieved.valid, slots, unread, cold).any())
 
     def build_tree(
         self,

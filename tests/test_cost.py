@@ -215,6 +215,20 @@ def test_draft_or_retrieve_charges_an_unread_prompt():
     assert gate.wants_draft(strong, valid, 2, unread).tolist() == [True, False]  # explore the warm one
 
 
+def test_a_cold_drafter_with_a_short_prompt_drafts_at_once():
+    """A drafter that has read nothing drafts when reading its prompt costs at most
+    ``explore_every`` draft forwards, even where retrieval alone looks better; a long
+    prompt, or a warm drafter with as many unread tokens, is left to the yields."""
+    gate = DraftOrRetrieve(draft_cost_ratio=0.5, ema=0.5, explore_every=4, read_cost=0.05, warmup=1)
+    gate.observe(3.0, 2)
+    strong = torch.tensor([[0.9, 0.8]] * 4)  # retrieval alone: 2.7 tokens, drafting adds 0.3
+    valid = torch.ones(4, 2, dtype=torch.bool)
+    unread = torch.tensor([80, 81, 80, 5])  # 80 * 0.05 = 4 forwards: the limit
+    cold = torch.tensor([True, True, False, True])
+    assert gate.wants_draft(strong, valid, 2, unread, cold).tolist() == [True, False, False, True]
+    assert gate.wants_draft(strong, valid, 2, unread).tolist() == [False] * 4  # no coldness known
+
+
 @pytest.mark.parametrize("pattern", [(True, False), (True, False, False, False), (True,) + (False,) * 30])
 def test_skipped_draft_rounds_stay_lossless(pattern):
     """Rounds that skip the draft decode exactly like ``ar`` (that the drafter's cache
@@ -226,7 +240,7 @@ def test_skipped_draft_rounds_stay_lossless(pattern):
     engine = SpecEngine(target, draft, EngineConfig(policy="graft", num_nodes=6, draft_depth=3, draft_topk=2))
     assert engine.scheduler is not None
     decisions = itertools.cycle(pattern)
-    engine.scheduler.wants_draft = lambda retrieved, unread: next(decisions)
+    engine.scheduler.wants_draft = lambda retrieved, unread, cold: next(decisions)
     out = engine.generate(prompts, 24)
     assert [r.token_ids for r in out.requests] == [r.token_ids for r in ref.requests]
     rounds = out.requests[0].rounds

@@ -53,10 +53,12 @@ def test_seeds_are_scored_and_expanded_like_fresh_forwards(draft64):
     b, c = 17, 23
     seeds = _seeds([a, b, c], [-1, 0, -1])
     drafter = ModelDrafter(draft64, topk=2, depth=1, vocab_limit=64, batch_size=1, device="cpu")
+    assert drafter.cold().tolist() == [True]
     with torch.inference_mode():
         out = drafter.draft(torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.bool), _never, seeds)
+    assert drafter.cold().tolist() == [False]
     cands = out.candidates
-    assert out.forwards == 1
+    assert out.forwards == 1 and out.read_tokens == len(PROMPT) - 1
     p_root, p_a, p_ab, p_c = (_next_probs(draft64, PROMPT + s) for s in ([], [a], [a, b], [c]))
     want_seed = torch.tensor([p_root[a], p_root[a] * p_a[b], p_root[c]])
     torch.testing.assert_close(cands.scores[0, :3].double(), want_seed.double(), rtol=1e-5, atol=1e-9)

@@ -38,7 +38,7 @@ def test_compacted_caches_equal_a_fresh_forward(pair64, policy, drafts):
     engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=6, draft_depth=3, draft_topk=2))
     if drafts is not None:
         decisions = itertools.cycle(drafts)
-        engine.scheduler.wants_draft = lambda retrieved, unread: next(decisions)
+        engine.scheduler.wants_draft = lambda retrieved, unread, cold: next(decisions)
     run = engine.start(PROMPTS, max_new_tokens=40)
     for _ in range(4):
         run.round()

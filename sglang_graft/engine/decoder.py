@@ -199,7 +199,9 @@ class DecodeRun:
             return _root_only(self.roots), 0, 0
         retrieved = e.scheduler.retrieve(self.rids)
         drafts, gates, forwards, read, seeds = None, [], 0, 0, None
-        if self.drafter is not None and e.scheduler.wants_draft(retrieved, self.pending_valid.sum(dim=1)):
+        if self.drafter is not None and e.scheduler.wants_draft(
+            retrieved, self.pending_valid.sum(dim=1), self.drafter.cold()
+        ):
             seeds = retrieved if e.config.seed_draft else None
             drafts, gates, forwards, read = self.drafter.draft(
                 self.pending, self.pending_valid, e.scheduler.draft_continues, seeds

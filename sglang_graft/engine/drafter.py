@@ -73,6 +73,9 @@ class Drafter(Protocol):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the requests ``rows`` (finished ones leave the batch)."""
 
+    def cold(self) -> torch.Tensor:
+        """``[bs]`` bool: which requests' drafters have read nothing yet."""
+
 
 class ModelDrafter:
     """EAGLE-2-style dynamic tree drafting with a small causal LM.
@@ -117,6 +120,9 @@ class ModelDrafter:
         # cache right after the verified columns, in fed-index order.
         self._fed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._fed_depth = 0  # a bound on the deepest fed node
+
+    def cold(self) -> torch.Tensor:
+        return self.kv.lengths == 0
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._drop_tree()
