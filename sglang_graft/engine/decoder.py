@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sglang_graft.candidates import SOURCE_NAMES, Source
-from sglang_graft.cost import RoundCost, VerifyCost
+from sglang_graft.cost import RoundCost
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft, span_reader
@@ -87,7 +87,8 @@ class SpecEngine:
         self.retriever = retriever if config.uses_retrieval else None
         sched = config.scheduler_config()
         self.scheduler = None if sched is None else GraftScheduler(sched, self.retriever, device=self.device)
-        verify = VerifyCost(config.verify_costs) if config.verify_costs is not None else None
+        # Plain decoding (no scheduler) verifies one token a round: one step on any curve.
+        verify = self.scheduler.verify_cost if self.scheduler is not None else None
         self.round_cost = RoundCost(verify, config.draft_cost_ratio or 0.0, config.resolved_read_cost)
         self._rid_counter = itertools.count()
 
