@@ -126,6 +126,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "for the extra verify time, and --draft-cost-ratio is read against a one-token target "
                         "forward (default: every round verifies all n, right where a verify over n tokens costs "
                         "what one token does)")
+    p.add_argument("--online-costs", action="store_true",
+                   help="pruned, retrieval, graft: keep learning the verify curve, --draft-cost-ratio and "
+                        "--draft-read-cost from the time each round's forwards take, starting from the values "
+                        "given (needs --verify-costs; 'auto' measures a start): for hosts whose speed drifts "
+                        "while they run. Trees then depend on timing, outputs do not (the log prints the "
+                        "learned values as flags)")
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")
@@ -221,6 +227,11 @@ def _engine_config(args: argparse.Namespace, policy: str):
     from sglang_graft.engine.config import EngineConfig
     from sglang_graft.prune import GateConfig
 
+    if args.online_costs and args.verify_costs is None:
+        raise ValueError(
+            "--online-costs learns from a starting verify curve: add --verify-costs auto (measured on the "
+            "target first) or the curve scripts/bench_forward_cost.py prints"
+        )
     return EngineConfig(
         policy=policy,
         num_nodes=args.num_nodes,
@@ -237,6 +248,7 @@ def _engine_config(args: argparse.Namespace, policy: str):
         draft_read_cost=args.draft_read_cost,
         compile_core=args.compile_core,
         verify_costs=None if args.verify_costs == "auto" else args.verify_costs,
+        online_costs=args.online_costs,
     )
 
 

@@ -34,7 +34,8 @@ rounds). The two decisions:
 ECHO's fixed thresholds ask "is the draft sure?"; these ask "is the draft sure enough to be
 worth its forward?", with the draft's price in the question. The cost ratio is a fixed
 setting, not a wall-clock measurement, so every process (tensor-parallel ranks included)
-and every rerun with the same seed builds the same trees.
+and every rerun with the same seed builds the same trees (the reference engine's opt-in
+``online_costs`` trades that for costs that follow a drifting host: ``cost_meter``).
 
 Both decisions read a few numbers back to the host per draft level (they steer a Python
 draft loop); the reference engine uses them, the SGLang worker, whose draft loop runs in

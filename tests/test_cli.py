@@ -90,6 +90,28 @@ def test_verify_costs_auto_is_measured_on_the_target_and_lossless(capsys, caplog
     assert len(logged) == 1 and "--verify-costs 1:" in logged[0] and ",8:" in logged[0]
 
 
+def test_online_costs_learn_from_the_run_and_stay_lossless(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_graft")
+    common = [*TINY, "--prompt", "abcabcabc", "--max-new-tokens", "16", "--num-nodes", "8", "--json"]
+    assert main(["generate", *common, "--policy", "ar"]) == 0
+    ar = _json_line(capsys.readouterr().out)
+    assert main(["generate", *common, "--policy", "graft", "--verify-costs", "auto", "--online-costs"]) == 0
+    assert _json_line(capsys.readouterr().out)["token_ids"] == ar["token_ids"]
+    assert any("graft: online costs after this batch: --verify-costs 1:" in r.getMessage() for r in caplog.records)
+    assert main(["generate", *common, "--policy", "graft", "--online-costs"]) == 2
+    assert "--online-costs learns from a starting verify curve: add --verify-costs auto" in capsys.readouterr().err
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["The cat sat. The cat sat."]}) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", *TINY, "--questions", str(questions), "--policies", "ar,dense,graft", "--max-new-tokens", "10",
+                 "--verify-costs", "1:1,8:1.2", "--online-costs", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["online_costs"] is True
+    assert set(results["learned_costs"]) == {"graft"}  # dense never trims, ar has no scheduler
+    assert results["learned_costs"]["graft"].startswith("--verify-costs 1:")
+    assert results["policies"]["graft"]["overall"]["identical_to_ar"] == 1.0
+
+
 def test_verify_costs_flag_errors_name_the_problem(capsys):
     for bad, message in (("2:1,8:2", "starting at 1 token"), ("1:1,8", "tokens:cost pairs"), ("1:1,4:-2", "> 0")):
         with pytest.raises(SystemExit) as exc:

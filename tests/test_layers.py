@@ -15,6 +15,7 @@ CORE = (
     "sglang_graft.graft",
     "sglang_graft.verify",
     "sglang_graft.cost",
+    "sglang_graft.cost_meter",
     "sglang_graft.scheduler",
     "sglang_graft.compiled",
     "sglang_graft.retrieval",

@@ -70,6 +70,7 @@ class BenchRun:
     settings: BenchSettings
     records: dict[str, list[Record]] = field(default_factory=dict)
     retrieval_stats: dict[str, object] = field(default_factory=dict)
+    learned_costs: dict[str, str] = field(default_factory=dict)  # ``online_costs``: the meter's flags at the end
 
 
 class _Method:
@@ -128,6 +129,8 @@ def run_bench(
     for m in methods:
         if m.engine is not None and m.engine.retriever is not None:
             run.retrieval_stats[m.name] = m.engine.retriever.stats()
+        if m.engine is not None and m.engine.meter is not None:
+            run.learned_costs[m.name] = m.engine.meter.flags()
     return run
 
 
@@ -162,6 +165,7 @@ def summarise(run: BenchRun, meta: dict[str, object]) -> dict[str, object]:
             for name, out in blocks.items()
         },
         "retrieval_stats": run.retrieval_stats,
+        "learned_costs": run.learned_costs,
     }
 
 
@@ -213,6 +217,7 @@ def bench_meta(pair: ModelPair, settings: BenchSettings, questions_path: str, dt
         "seed_draft": settings.engine.seed_draft,
         "continue_drafts": settings.engine.continue_drafts,
         "verify_costs": settings.engine.verify_costs,
+        "online_costs": settings.engine.online_costs,
         "dtype": dtype,
         "cpu_kernel": isinstance(pair.target.get_output_embeddings(), KernelLinear),
         "tie_margin": settings.tie_margin,

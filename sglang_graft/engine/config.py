@@ -75,6 +75,12 @@ class EngineConfig:
             ``scripts/bench_forward_cost.py`` prints them: every policy but ``dense`` then
             verifies only the tree width that pays (``SchedulerConfig.verify_costs``).
             None: every round verifies all ``num_nodes``.
+        online_costs: ``pruned``, ``retrieval`` and ``graft`` with ``verify_costs``: learn
+            the verify curve, ``draft_cost_ratio`` and the read cost from the seconds each
+            round's forwards take (``sglang_graft.cost_meter.CostMeter``), starting from the
+            configured values; for hosts whose speed drifts. Trees then depend on timing
+            (outputs do not: the target verifies every token); the modelled speedup still
+            prices rounds with the configured values.
     """
 
     policy: str = "graft"
@@ -92,6 +98,7 @@ class EngineConfig:
     draft_read_cost: float | None = None
     compile_core: bool = False
     verify_costs: tuple[tuple[int, float], ...] | None = None
+    online_costs: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ENGINE_POLICIES:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 
 from sglang_graft.candidates import SOURCE_NAMES, Source
 from sglang_graft.cost import RoundCost
+from sglang_graft.cost_meter import CostMeter
 from sglang_graft.engine.config import EngineConfig, SamplingConfig
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import int8_draft, span_reader
@@ -42,6 +44,8 @@ from sglang_graft.retrieval import Retriever, RetrieverConfig
 from sglang_graft.scheduler import GraftScheduler, accepted_mask_from_nodes
 from sglang_graft.tree import TokenTree
 from sglang_graft.verify import SampledVerify, greedy_accept, target_distribution, verify_tree_sampled
+
+logger = logging.getLogger(__name__)
 
 #: Target top-k recorded per verified node for token recycling (and the top-2 margin).
 _RECYCLING_K = 8
@@ -90,6 +94,20 @@ class SpecEngine:
         # Plain decoding (no scheduler) verifies one token a round: one step on any curve.
         verify = self.scheduler.verify_cost if self.scheduler is not None else None
         self.round_cost = RoundCost(verify, config.draft_cost_ratio or 0.0, config.resolved_read_cost)
+        # Learned forward costs (``online_costs``): only a policy that trims its trees prices them.
+        self.meter: CostMeter | None = None
+        if config.online_costs:
+            if config.verify_costs is None:
+                raise ValueError(
+                    "online_costs needs verify_costs to start from (the CLI's --verify-costs auto measures them)"
+                )
+            if self.scheduler is not None and self.scheduler.config.trims:
+                self.meter = CostMeter(
+                    self.scheduler.verify_cost,
+                    config.draft_cost_ratio or 1.0,
+                    config.resolved_read_cost,
+                    config.num_nodes,
+                )
         self._rid_counter = itertools.count()
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -119,6 +137,8 @@ class SpecEngine:
         start = time.perf_counter()
         run = self.start(prompts, max_new_tokens, sampling, seed, progress)
         run.decode()
+        if self.meter is not None:
+            logger.info("%s: online costs after this batch: %s", self.config.policy, self.meter.flags())
         return BatchOutput(run.outputs, time.perf_counter() - start)
 
     @torch.inference_mode()
@@ -204,9 +224,12 @@ class DecodeRun:
             retrieved, self.pending_valid.sum(dim=1), self.drafter.cold()
         ):
             seeds = retrieved if e.config.seed_draft else None
+            start = _clock(e.device) if e.meter is not None else 0.0
             drafts, gates, forwards, read = self.drafter.draft(
                 self.pending, self.pending_valid, e.scheduler.draft_continues, seeds
             )
+            if e.meter is not None:
+                e.meter.observe_draft(forwards, read, _clock(e.device) - start)
         tree = e.scheduler.build_tree(self.rids, self.roots, drafts, gates, retrieved, seeded=seeds is not None).tree
         return tree, forwards, read
 
@@ -232,8 +255,11 @@ class DecodeRun:
         """One propose-verify-compact-learn round for every unfinished request."""
         e = self.e
         tree, draft_forwards, read_tokens = self.propose()
+        start = _clock(e.device) if e.meter is not None else 0.0
         result, logits = self.verify(tree)
         n = tree.num_nodes
+        if e.meter is not None:
+            e.meter.observe_verify(len(self.rows) * n, _clock(e.device) - start)
         cost = e.round_cost(len(self.rows), n, draft_forwards, read_tokens)
         accepted = accepted_mask_from_nodes(result.accept_nodes, n)
         keep = self.target_kv.valid.clone()
@@ -243,6 +269,8 @@ class DecodeRun:
         top_values = top_values.float()
         if e.scheduler is not None:
             e.scheduler.observe(self.rids, tree, accepted, top_ids, draft_forwards)
+        if e.meter is not None:
+            e.scheduler.set_costs(e.meter.verify_cost(), e.meter.draft_cost_ratio(), e.meter.read_cost())
         # Emitted tokens: the accepted path below the root, then the bonus token. The
         # token emitted at step i was chosen from the logits of path node i.
         path = result.accept_nodes.clamp(min=0)
@@ -333,6 +361,13 @@ class DecodeRun:
         first = int(live.long().argmax()) if bool(live.any()) else 0
         self.pending = self.pending[:, first:]
         self.pending_valid = self.pending_valid[:, first:]
+
+
+def _clock(device: torch.device) -> float:
+    """Wall-clock seconds once the device has finished what was queued (``online_costs``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _right_align(tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
