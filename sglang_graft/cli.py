@@ -112,7 +112,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "times its cost, and graft skips drafting when the draft adds too little over retrieval "
                         "alone by the same measure (default: the two models' "
                         "weight-size ratio, which underestimates small drafts: measure it, e.g. 0.4 for the "
-                        "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU)")
+                        "Qwen2.5-Coder 0.5B/1.5B pair in bf16 on CPU, or let --online-costs learn it)")
     p.add_argument("--draft-read-cost", type=float, default=None, metavar="F",
                    help="graft: draft forwards one unread prompt token adds to the draft's next forward (>= 0), "
                         "which it weighs before prefilling the draft on a request's prompt that retrieval might "
