@@ -127,9 +127,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "forward (default: every round verifies all n, right where a verify over n tokens costs "
                         "what one token does)")
     p.add_argument("--online-costs", action="store_true",
-                   help="pruned, retrieval, graft: keep learning the verify curve, --draft-cost-ratio and "
-                        "--draft-read-cost from the time each round's forwards take, starting from the values "
-                        "given (needs --verify-costs; 'auto' measures a start): for hosts whose speed drifts "
+                   help="pruned, retrieval, graft: keep learning the verify curve and --draft-cost-ratio from "
+                        "the time each round's forwards take, starting from the values given (needs "
+                        "--verify-costs; 'auto' measures a start; --draft-read-cost stays as given): for hosts whose speed drifts "
                         "while they run. Trees then depend on timing, outputs do not (the log prints the "
                         "learned values as flags)")
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",

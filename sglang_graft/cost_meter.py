@@ -14,12 +14,19 @@ observations so that it follows the host's phase within a few seconds of rounds:
   fit needs two widths to tell ``a`` from ``b``; a ridge term pulls ``b / a`` towards the
   configured curve's shape, so while every round verifies about the same width the prior
   shape holds and only the level follows the measurements;
-* a draft call costs ``f * forwards + g * read_tokens`` seconds (one draft forward, one
-  token read before drafting), with ``g / f`` pulled towards the configured read cost
-  likewise: reads are rare and long, forwards frequent.
+* a draft forward costs ``f`` seconds: the decayed ratio of the seconds draft calls
+  took to the forwards they ran, each prompt token the draft read first counted as the
+  configured read cost's share of a forward. The read cost itself is not learned: reads
+  are rare, their price per token falls with their length (on the 2-core EPYC a 50-token
+  read cost 0.075 forwards a token, a 600-token one 0.045), and a read cost learned too
+  high stops every read, and with them the data that would correct it (a benchmark whose
+  first draft calls ran slow learned 0.27 and then drafted 0.01 forwards a round). Calls
+  whose read outweighs their forwards are left out of the fit for the same reason.
 
-Its answers are in the units the gates use: the verify curve relative to a one-token step
-(``a + b``), the draft forward over that step, the read cost in draft forwards per token.
+Each observation is clipped at ``outlier`` times what the current fit predicts, so that a
+stall of the host (a page fault storm, another process) moves the prices by a bounded
+step and the decay washes it out.
+
 Decisions then depend on wall-clock time, so reruns may build different trees; every
 tree is still verified by the target, so outputs stay lossless. Plain Python arithmetic on
 a handful of floats per round: no tensors, no host sync.
@@ -61,18 +68,21 @@ class _DecayedRidge:
 
 
 class CostMeter:
-    """Learns the verify curve, the draft cost ratio and the read cost from timed rounds.
+    """Learns the verify curve and the draft cost ratio from timed rounds.
 
     Args:
         verify_cost: the configured verify curve (its shape is the prior of the fit).
         draft_cost_ratio: the configured draft forward / one-token step (> 0).
-        read_cost: the configured draft forwards per read token (>= 0).
+        read_cost: the configured draft forwards per read token (>= 0; kept, not learned).
         num_nodes: the verify budget: the fitted curve is spelled out up to it.
         decay: weight of the past per observation (0.98: a verify's weight halves after
             34 rounds, a few seconds on a CPU).
         min_weight: decayed observations a fit needs before it replaces the configured
             values (verify and draft each).
-        prior_strength: weight of the shape priors, in observations one width step apart.
+        prior_strength: weight of the verify curve's shape prior, in observations one width
+            step apart.
+        outlier: an observation counts as at most this many times the current fit's
+            prediction (> 1).
     """
 
     def __init__(
@@ -84,6 +94,7 @@ class CostMeter:
         decay: float = 0.98,
         min_weight: float = 4.0,
         prior_strength: float = 4.0,
+        outlier: float = 3.0,
     ) -> None:
         check_cost_ratio(draft_cost_ratio)
         check_read_cost(read_cost)
@@ -93,24 +104,38 @@ class CostMeter:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         if not min_weight > 0 or not prior_strength > 0:
             raise ValueError(f"min_weight and prior_strength must be > 0, got {min_weight} and {prior_strength}")
+        if not outlier > 1.0:
+            raise ValueError(f"outlier must be > 1 (a multiple of the predicted time), got {outlier}")
         self.num_nodes = num_nodes
         self.min_weight = min_weight
+        self.decay = decay
+        self.outlier = outlier
         self.configured = (verify_cost, float(draft_cost_ratio), float(read_cost))
         # The configured curve's shape as b / a of ``a + b * w``, through its 1- and n-token
         # points (a curve adding a whole step per token, which no host has shown, gets 1).
         slope = max(verify_cost(num_nodes) - 1.0, 0.0) / (num_nodes - 1)
         self._verify = _DecayedRidge(decay, slope / (1.0 - slope) if slope < 1.0 else 1.0, prior_strength)
-        self._draft = _DecayedRidge(decay, float(read_cost), prior_strength)
+        # Draft calls: decayed seconds, decayed forward units (forwards + read_cost * read), weight.
+        self._draft = [0.0, 0.0, 0.0]
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """A verify forward over ``tokens`` tokens (the batch's total) took ``seconds``."""
         if tokens >= 1 and math.isfinite(seconds) and seconds > 0:
+            fit = self._verify_fit()
+            if fit is not None:
+                seconds = min(seconds, self.outlier * (fit[0] + fit[1] * tokens))
             self._verify.observe(1.0, float(tokens), seconds)
 
     def observe_draft(self, forwards: int, read_tokens: int, seconds: float) -> None:
         """A draft call of ``forwards`` forwards, after reading ``read_tokens``, took ``seconds``."""
-        if forwards >= 1 and math.isfinite(seconds) and seconds > 0:
-            self._draft.observe(float(forwards), float(max(read_tokens, 0)), seconds)
+        read = self.configured[2] * max(read_tokens, 0)
+        if forwards >= 1 and read <= forwards and math.isfinite(seconds) and seconds > 0:
+            units = forwards + read
+            forward = self._forward_seconds()
+            if forward is not None:
+                seconds = min(seconds, self.outlier * forward * units)
+            d = self.decay
+            self._draft = [d * self._draft[0] + seconds, d * self._draft[1] + units, d * self._draft[2] + 1.0]
 
     def step_seconds(self) -> float | None:
         """The fitted one-token target step, in seconds (None before enough verifies)."""
@@ -127,26 +152,21 @@ class CostMeter:
 
     def draft_cost_ratio(self) -> float:
         """One draft forward over one target step: the fits', or the configured ratio."""
-        step, fit = self.step_seconds(), self._draft_fit()
-        if step is None or fit is None:
+        step, forward = self.step_seconds(), self._forward_seconds()
+        if step is None or forward is None:
             return self.configured[1]
-        return fit[0] / step
-
-    def read_cost(self) -> float:
-        """Draft forwards one read token adds: the fit's, or the configured read cost."""
-        fit = self._draft_fit()
-        return self.configured[2] if fit is None else fit[1] / fit[0]
+        return forward / step
 
     def flags(self) -> str:
         """What the meter has learned, as the reference engine's flags that would price
         rounds the same way (milliseconds, like ``scripts/bench_forward_cost.py`` prints)."""
         fit = self._verify_fit()
         if fit is None:
-            curve = ",".join(f"{t}:{c:g}" for t, c in zip(self.configured[0].tokens, self.configured[0].costs))
+            curve = ",".join(f"{t}:{c:g}" for t, c in self.configured[0].points)
         else:
             a, b = fit
             curve = f"1:{(a + b) * 1e3:.1f},{self.num_nodes}:{(a + b * self.num_nodes) * 1e3:.1f}"
-        return f"--verify-costs {curve} --draft-cost-ratio {self.draft_cost_ratio():.3f} --draft-read-cost {self.read_cost():.4f}"
+        return f"--verify-costs {curve} --draft-cost-ratio {self.draft_cost_ratio():.3f}"
 
     def _verify_fit(self) -> tuple[float, float] | None:
         """``(a, b)`` with ``a > 0``, ``b >= 0`` once the verifies weigh enough."""
@@ -159,9 +179,7 @@ class CostMeter:
         # nothing; a forward costs at least what its weights take to stream once.
         return (a, b) if a > 0 else None
 
-    def _draft_fit(self) -> tuple[float, float] | None:
-        """``(f, g)`` with ``f > 0``, ``g >= 0`` once the draft calls weigh enough."""
-        fit = self._draft.solve() if self._draft.weight >= self.min_weight else None
-        if fit is None or not fit[0] > 0:
-            return None
-        return fit[0], max(fit[1], 0.0)
+    def _forward_seconds(self) -> float | None:
+        """Seconds per draft forward once the draft calls weigh enough."""
+        seconds, units, weight = self._draft
+        return seconds / units if weight >= self.min_weight else None

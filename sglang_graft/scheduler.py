@@ -182,21 +182,18 @@ class GraftScheduler:
             if config.uses_gates and config.gates.mode == "online":
                 self._gates = CompiledGate(self.pruner)
 
-    def set_costs(self, verify_cost: VerifyCost, draft_cost_ratio: float, read_cost: float) -> None:
+    def set_costs(self, verify_cost: VerifyCost, draft_cost_ratio: float) -> None:
         """Price the next rounds with new costs (``sglang_graft.cost_meter.CostMeter``'s):
         the verify width, the draft gate, the depth budget and the long-run rate all read
-        them from here on. Only a policy that trims its trees (``verify_costs`` set) uses
-        a verify curve."""
+        them from here on (the read cost, in draft forwards, stays as configured). Only a
+        policy that trims its trees (``verify_costs`` set) uses a verify curve."""
         if not self.config.trims:
             raise ValueError(f"policy {self.config.policy!r} without verify_costs prices no verify width to update")
         check_cost_ratio(draft_cost_ratio)
-        check_read_cost(read_cost)
         self.verify_cost = verify_cost
         for priced in (self.depth_budget, self.draft_gate, self.rate):
             if priced is not None:
                 priced.ratio = draft_cost_ratio
-        if self.draft_gate is not None:
-            self.draft_gate.read_cost = read_cost
 
     def draft_continues(self, depth: int, step_scores: torch.Tensor) -> torch.Tensor:
         """After drafting level ``depth``: which requests may draft deeper (``[bs]`` bool).

@@ -76,9 +76,9 @@ class EngineConfig:
             verifies only the tree width that pays (``SchedulerConfig.verify_costs``).
             None: every round verifies all ``num_nodes``.
         online_costs: ``pruned``, ``retrieval`` and ``graft`` with ``verify_costs``: learn
-            the verify curve, ``draft_cost_ratio`` and the read cost from the seconds each
-            round's forwards take (``sglang_graft.cost_meter.CostMeter``), starting from the
-            configured values; for hosts whose speed drifts. Trees then depend on timing
+            the verify curve and ``draft_cost_ratio`` from the seconds each round's forwards
+            take (``sglang_graft.cost_meter.CostMeter``), starting from the configured
+            values (the read cost stays as configured); for hosts whose speed drifts. Trees then depend on timing
             (outputs do not: the target verifies every token); the modelled speedup still
             prices rounds with the configured values.
     """

@@ -270,7 +270,7 @@ class DecodeRun:
         if e.scheduler is not None:
             e.scheduler.observe(self.rids, tree, accepted, top_ids, draft_forwards)
         if e.meter is not None:
-            e.scheduler.set_costs(e.meter.verify_cost(), e.meter.draft_cost_ratio(), e.meter.read_cost())
+            e.scheduler.set_costs(e.meter.verify_cost(), e.meter.draft_cost_ratio())
         # Emitted tokens: the accepted path below the root, then the bonus token. The
         # token emitted at step i was chosen from the logits of path node i.
         path = result.accept_nodes.clamp(min=0)
