@@ -129,9 +129,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online-costs", action="store_true",
                    help="pruned, retrieval, graft: keep learning the verify curve and --draft-cost-ratio from "
                         "the time each round's forwards take, starting from the values given (needs "
-                        "--verify-costs; 'auto' measures a start; --draft-read-cost stays as given): for hosts whose speed drifts "
-                        "while they run. Trees then depend on timing, outputs do not (the log prints the "
-                        "learned values as flags)")
+                        "--verify-costs; 'auto' measures a start; --draft-read-cost stays as given): for hosts "
+                        "whose speed drifts while they run. Trees then depend on timing, outputs do not (the "
+                        "log prints the learned values as flags)")
     p.add_argument("--no-seed-draft", dest="seed_draft", action="store_false",
                    help="graft: do not feed the retrieved nodes to the draft model (by default its first "
                         "forward scores them and drafts below them, at almost no extra cost)")

@@ -27,9 +27,11 @@ Each observation is clipped at ``outlier`` times what the current fit predicts, 
 stall of the host (a page fault storm, another process) moves the prices by a bounded
 step and the decay washes it out.
 
-Decisions then depend on wall-clock time, so reruns may build different trees; every
-tree is still verified by the target, so outputs stay lossless. Plain Python arithmetic on
-a handful of floats per round: no tensors, no host sync.
+Its answers are in the units the gates use: the verify curve relative to a one-token step
+(``a + b``), the draft forward over that step. Decisions then depend on wall-clock time,
+so reruns may build different trees; every tree is still verified by the target, so
+outputs stay lossless. Plain Python arithmetic on a handful of floats per round: no
+tensors, no host sync.
 """
 
 from __future__ import annotations

@@ -78,9 +78,9 @@ class EngineConfig:
         online_costs: ``pruned``, ``retrieval`` and ``graft`` with ``verify_costs``: learn
             the verify curve and ``draft_cost_ratio`` from the seconds each round's forwards
             take (``sglang_graft.cost_meter.CostMeter``), starting from the configured
-            values (the read cost stays as configured); for hosts whose speed drifts. Trees then depend on timing
-            (outputs do not: the target verifies every token); the modelled speedup still
-            prices rounds with the configured values.
+            values (the read cost stays as configured); for hosts whose speed drifts.
+            Trees then depend on timing (outputs do not: the target verifies every token);
+            the modelled speedup still prices rounds with the configured values.
     """
 
     policy: str = "graft"
