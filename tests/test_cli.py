@@ -110,6 +110,9 @@ def test_online_costs_learn_from_the_run_and_stay_lossless(tmp_path, capsys, cap
     assert set(results["learned_costs"]) == {"graft"}  # dense never trims, ar has no scheduler
     assert results["learned_costs"]["graft"].startswith("--verify-costs 1:")
     assert results["policies"]["graft"]["overall"]["identical_to_ar"] == 1.0
+    md = (out / "results.md").read_text()
+    assert "verify costs `1:1,8:1.2`, draft cost ratio from the weights, read cost " in md and ", learned online;" in md
+    assert f"- graft: `{results['learned_costs']['graft']}`" in md
 
 
 def test_verify_costs_flag_errors_name_the_problem(capsys):
@@ -162,7 +165,8 @@ def test_bench_writes_results(tmp_path, capsys):
     assert results["policies"]["graft"]["overall"]["modelled_speedup"] > 0
     assert results["policies"]["hf-pld"]["overall"]["modelled_speedup"] is None
     md = (out / "results.md").read_text()
-    assert "| graft |" in md and "Modelled speedup" in md
+    assert "| graft |" in md and "Modelled speedup" in md and "every round verifies all n;" in md
+    assert "learned online" not in md
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 

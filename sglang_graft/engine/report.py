@@ -51,7 +51,7 @@ def markdown(results: dict) -> str:
         f"{meta['dtype']}, {meta['threads']} threads on {meta['device']}; {meta['max_new_tokens']} new tokens; "
         f"n={meta['num_nodes']}, draft depth {meta['draft_depth']}, topk {meta['draft_topk']}, "
         f"draft vocab {meta.get('draft_vocab') or 'full'}, draft window {meta.get('draft_window') or 'full'}, "
-        f"gates {meta['gates']}; "
+        f"gates {meta['gates']}; {_costs(meta)}; "
         f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
         "",
         "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | modelled speedup | identical to ar | accepted by source |",
@@ -79,7 +79,23 @@ def markdown(results: dict) -> str:
     for name, p in pol.items():
         if name != "ar":
             lines.append(f"- {name}: {_divergence_note(p['overall'])}")
+    if results.get("learned_costs"):
+        lines += ["", "Costs learned online by the end of the run (the flags that would price rounds alike):", ""]
+        lines += [f"- {name}: `{flags}`" for name, flags in results["learned_costs"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _costs(meta: dict) -> str:
+    """The cost settings the run's trees were priced with, as a reader would pass them again."""
+    curve = meta.get("verify_costs")
+    if not curve:
+        return "every round verifies all n"
+    ratio = meta.get("draft_cost_ratio")
+    return (
+        f"verify costs `{','.join(f'{t}:{c:g}' for t, c in curve)}`, "
+        f"draft cost ratio {'from the weights' if ratio is None else f'{ratio:g}'}, "
+        f"read cost {meta.get('draft_read_cost'):g}" + (", learned online" if meta.get("online_costs") else "")
+    )
 
 
 def pareto_plot(results: dict, path: str) -> None:
