@@ -98,6 +98,10 @@ def test_online_costs_learn_from_the_run_and_stay_lossless(tmp_path, capsys, cap
     assert main(["generate", *common, "--policy", "graft", "--verify-costs", "auto", "--online-costs"]) == 0
     assert _json_line(capsys.readouterr().out)["token_ids"] == ar["token_ids"]
     assert any("graft: online costs after this batch: --verify-costs 1:" in r.getMessage() for r in caplog.records)
+    assert not any("prices the draft by its weights" in r.getMessage() for r in caplog.records)
+    assert main(["generate", *common, "--policy", "graft", "--verify-costs", "auto"]) == 0
+    assert any("add --online-costs to learn it" in r.getMessage() for r in caplog.records)
+    capsys.readouterr()
     assert main(["generate", *common, "--policy", "graft", "--online-costs"]) == 2
     assert "--online-costs learns from a starting verify curve: add --verify-costs auto" in capsys.readouterr().err
     questions = tmp_path / "q.jsonl"
