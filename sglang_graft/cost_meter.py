@@ -117,8 +117,8 @@ class CostMeter:
         # points (a curve adding a whole step per token, which no host has shown, gets 1).
         slope = max(verify_cost(num_nodes) - 1.0, 0.0) / (num_nodes - 1)
         self._verify = _DecayedRidge(decay, slope / (1.0 - slope) if slope < 1.0 else 1.0, prior_strength)
-        # Draft calls: decayed seconds, decayed forward units (forwards + read_cost * read), weight.
-        self._draft = [0.0, 0.0, 0.0]
+        # Draft calls, decayed: their seconds, their forward units (forwards + read_cost * read), their count.
+        self._draft_seconds = self._draft_units = self._draft_weight = 0.0
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """A verify forward over ``tokens`` tokens (the batch's total) took ``seconds``."""
@@ -136,8 +136,9 @@ class CostMeter:
             forward = self._forward_seconds()
             if forward is not None:
                 seconds = min(seconds, self.outlier * forward * units)
-            d = self.decay
-            self._draft = [d * self._draft[0] + seconds, d * self._draft[1] + units, d * self._draft[2] + 1.0]
+            self._draft_seconds = self.decay * self._draft_seconds + seconds
+            self._draft_units = self.decay * self._draft_units + units
+            self._draft_weight = self.decay * self._draft_weight + 1.0
 
     def step_seconds(self) -> float | None:
         """The fitted one-token target step, in seconds (None before enough verifies)."""
@@ -183,5 +184,4 @@ class CostMeter:
 
     def _forward_seconds(self) -> float | None:
         """Seconds per draft forward once the draft calls weigh enough."""
-        seconds, units, weight = self._draft
-        return seconds / units if weight >= self.min_weight else None
+        return self._draft_seconds / self._draft_units if self._draft_weight >= self.min_weight else None
