@@ -8,7 +8,13 @@ import copy
 import pytest
 import torch
 
-from sglang_graft.engine.attention import GQA_SDPA, small_block_attention, use_gqa_attention
+from sglang_graft.engine.attention import (
+    GQA_KERNEL,
+    GQA_SDPA,
+    small_attention_available,
+    small_block_attention,
+    use_gqa_attention,
+)
 from sglang_graft.engine.models import TINY_ARCHS, prepare_pair, tiny_models
 
 
@@ -21,7 +27,7 @@ def _with_sdpa(model: torch.nn.Module) -> torch.nn.Module:
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
 def test_logits_match_sdpa_with_and_without_masks(arch: str) -> None:
     target, _ = tiny_models(arch, dtype=torch.float64)
-    assert target.config._attn_implementation == GQA_SDPA
+    assert target.config._attn_implementation in (GQA_SDPA, GQA_KERNEL)
     assert target.config.num_key_value_heads < target.config.num_attention_heads
     plain = _with_sdpa(target)
     gen = torch.Generator().manual_seed(0)
@@ -54,6 +60,11 @@ def test_transformers_generation_unchanged() -> None:
 
 def test_loaded_pair_uses_it_and_other_implementations_stay() -> None:
     pair = prepare_pair("tiny", "tiny")
+    want = GQA_KERNEL if small_attention_available() else GQA_SDPA
+    assert pair.target.config._attn_implementation == want
+    assert pair.draft.config._attn_implementation == want
+    # --cpu-kernel off keeps PyTorch's ops.
+    pair = prepare_pair("tiny", "tiny", cpu_kernel="off")
     assert pair.target.config._attn_implementation == GQA_SDPA
     assert pair.draft.config._attn_implementation == GQA_SDPA
     target, _ = tiny_models("llama")

@@ -108,7 +108,9 @@ def prepare_pair(
     ``draft`` may be None for policies that use no draft model. ``tiny`` builds seeded
     random models in-process; a tiny target needs a tiny draft (or none) and vice versa.
     ``cpu_kernel`` (``auto``, ``on``, ``off``): run both models' linear layers through the
-    project's AVX2 kernel (``engine.cpu_linear.wants_cpu_kernel``).
+    project's AVX2 kernel (``engine.cpu_linear.wants_cpu_kernel``); unless ``off``, small
+    attention blocks take the project's AVX512 kernel where the CPU has it
+    (``engine.attention.small_attention``).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -130,8 +132,9 @@ def prepare_pair(
             require_full_attention(AutoConfig.from_pretrained(draft), "draft")
         t = _load(target, torch_dtype, device)
         d = _load(draft, torch_dtype, device) if draft is not None else None
-    if kernel:
-        for model in (t, d) if d is not None else (t,):
+    for model in (t, d) if d is not None else (t,):
+        use_gqa_attention(model, kernel=cpu_kernel != "off")
+        if kernel:
             use_cpu_kernel(model)
     return ModelPair(t, d, tok)
 
@@ -168,9 +171,7 @@ def weight_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module, draft_voc
 
 
 def _load(path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    use_gqa_attention(model)
-    return model.to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,0 +1,156 @@
+"""``engine.attention.small_attention``: the AVX512 kernel for small query blocks computes
+``small_block_attention`` (checked against float64), gives each query the same bits
+whichever queries share the call, and keeps every policy lossless."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine.attention import (
+    GQA_KERNEL,
+    GQA_SDPA,
+    SMALL_ATTENTION_NEEDS,
+    small_attention,
+    small_attention_available,
+    small_block_attention,
+    use_gqa_attention,
+)
+from sglang_graft.engine.cpu_linear import cpu_flags
+
+pytestmark = pytest.mark.skipif(
+    not small_attention_available(),
+    reason=f"small-block attention kernel: needs {', '.join(sorted(SMALL_ATTENTION_NEEDS))} "
+    f"(missing {', '.join(sorted(SMALL_ATTENTION_NEEDS - cpu_flags())) or 'none'}) and a C++ compiler",
+)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The engine's form of a mask: 0 where it attends, the dtype's lowest elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def _inputs(bs, heads, kv_heads, q, length, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # The query as transformers hands it over: a transposed view of [bs, q, heads, d].
+    query = torch.randn(bs, q, heads, d, generator=gen).to(dtype).transpose(1, 2)
+    key = (2 * torch.randn(bs, kv_heads, length, d, generator=gen)).to(dtype)
+    value = torch.randn(bs, kv_heads, length, d, generator=gen).to(dtype)
+    mask = torch.rand(bs, 1, q, length, generator=gen) < 0.7
+    mask[0, 0, 0] = False  # a row with nothing to attend: uniform, as PyTorch's softmax gives
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(12, 2, 128), (14, 2, 64), (4, 4, 64), (2, 1, 256)])
+@pytest.mark.parametrize("q, length", [(1, 1), (1, 700), (3, 17), (8, 64), (13, 130), (32, 300)])
+def test_as_accurate_as_pytorch_ops(dtype, heads, kv_heads, d, q, length, additive) -> None:
+    """Against a float64 reference, the kernel errs no more than PyTorch's float32 ops do
+    (``small_block_attention`` in the same dtype), within float32 rounding; a bool mask and
+    the engine's additive one alike."""
+    query, key, value, mask = _inputs(2, heads, kv_heads, q, length, d, dtype, seed=q * 1000 + length)
+    got = small_attention(query, key, value, _additive(mask, dtype) if additive else mask, d**-0.5)
+    assert got is not None and got.dtype == dtype and got.shape == (2, q, heads, d)
+    want = small_block_attention(query.double(), key.double(), value.double(), mask, d**-0.5).transpose(1, 2)
+    ops = small_block_attention(query, key, value, mask, d**-0.5).transpose(1, 2)
+    err, ops_err = ((x.double() - want).abs().max().item() for x in (got, ops))
+    assert err <= 2 * ops_err + 1e-6, f"kernel error {err:.3g}, PyTorch's ops {ops_err:.3g}"
+    # The row with nothing to attend averages every value of its KV head.
+    mean = value[0, 0].double().mean(dim=0)
+    torch.testing.assert_close(got[0, 0, 0].double(), mean, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_broadcast_mask_strided_cache_and_no_mask() -> None:
+    query, key, value, mask = _inputs(3, 12, 2, 5, 90, 128, torch.float32, seed=7)
+    # A cache slice (not contiguous over its keys) and a mask shared by the batch rows.
+    key_view, value_view = key[:, :, 10:], value[:, :, 10:]
+    shared = mask[:1, :, :, 10:]
+    got = small_attention(query, key_view, value_view, shared, 0.1)
+    want = small_block_attention(query.double(), key_view.double(), value_view.double(), shared, 0.1)
+    torch.testing.assert_close(got.double(), want.transpose(1, 2), rtol=0, atol=2e-6)
+    one = query[:, :, :1]
+    torch.testing.assert_close(
+        small_attention(one, key, value, None, 0.1).double(),
+        small_block_attention(one.double(), key.double(), value.double(), None, 0.1).transpose(1, 2),
+        rtol=0,
+        atol=2e-6,
+    )
+
+
+def test_inputs_it_does_not_take_come_back_none() -> None:
+    query, key, value, mask = _inputs(1, 4, 2, 2, 10, 64, torch.float32, seed=0)
+    # An additive mask in another dtype: float32's lowest would round to -inf in bf16.
+    assert small_attention(query, key, value, _additive(mask, torch.bfloat16), 0.1) is None
+    assert small_attention(query.double(), key.double(), value.double(), mask, 0.1) is None
+    assert small_attention(query, key.bfloat16(), value, mask, 0.1) is None
+    narrow = _inputs(1, 4, 2, 2, 10, 16, torch.float32, seed=0)
+    assert small_attention(*narrow, 0.25) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    q=st.integers(2, 12),
+    length=st.integers(1, 200),
+    row=st.integers(0, 11),
+    extra=st.integers(1, 40),
+    bf16=st.booleans(),
+)
+def test_a_query_gets_the_same_bits_alone_or_in_a_block(q, length, row, extra, bf16) -> None:
+    """A decode step and a tree verify compute a token's attention alike: the other queries
+    of the block, and keys masked off after the cache (the tree's other nodes), change no
+    bit of its output."""
+    row = row % q
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    query, key, value, mask = _inputs(1, 12, 2, q, length + extra, 128, dtype, seed=q * 997 + length)
+    mask[..., length:] = False
+    mask[:, :, row, length - 1] = True  # the row attends to something in both calls
+    mask = _additive(mask, dtype)  # as the engine passes it
+    block = small_attention(query, key, value, mask, 0.125)
+    alone = small_attention(
+        query[:, :, row : row + 1], key[:, :, :length], value[:, :, :length], mask[:, :, row : row + 1, :length], 0.125
+    )
+    assert torch.equal(block[:, row : row + 1], alone)
+
+
+@pytest.fixture(scope="module")
+def wide_pair():
+    """Tiny float32 models with 64-wide heads, the narrowest the kernel takes."""
+    torch.set_num_threads(1)
+    target, draft = tiny_models("qwen2", vocab_size=200, seed=3, hidden=256)
+    assert target.config._attn_implementation == GQA_KERNEL
+    return target, draft
+
+
+def test_model_logits_match_pytorch_ops(wide_pair) -> None:
+    target, _ = wide_pair
+    plain = copy.deepcopy(target)
+    use_gqa_attention(plain, kernel=False)
+    assert plain.config._attn_implementation == GQA_SDPA
+    x = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    mask[1, :, :, :3] = False
+    mask |= torch.eye(12, dtype=torch.bool)
+    with torch.inference_mode():
+        for m in (mask, _additive(mask, torch.float32)):
+            torch.testing.assert_close(target(x, attention_mask=m).logits, plain(x, attention_mask=m).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["dense", "pruned", "retrieval", "graft"])
+def test_policies_equal_ar_through_the_kernel(wide_pair, policy) -> None:
+    target, draft = wide_pair
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18] * 3, [3, 1, 4, 1, 5, 9, 2, 6]]
+    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 24).requests
+    plain = target.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert plain[0, len(prompts[0]) :].tolist() == ar[0].token_ids
+    engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3))
+    runs = [engine.generate(prompts, 24).requests for _ in range(2)]  # the second run has history
+    for out in runs:
+        assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    accepted = sum(sum(r.accepted.values()) for out in runs for r in out)
+    assert accepted > 0, f"{policy} accepted nothing: the test would prove nothing"
