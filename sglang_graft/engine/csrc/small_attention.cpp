@@ -16,8 +16,7 @@
 // passes for hidden keys, again gives 0 exactly).
 // exp is a degree-6 polynomial after range reduction (about 1 ulp). A query's output depends
 // only on its own row, the keys and the mask: not on which other queries share the call, nor
-// on masked keys after the ones it sees, so a token's attention in a tree verify is bitwise
-// what it is in a one-token decode step over the same cache.
+// on masked keys after the last one it sees (a tree's later nodes), which add exact zeros.
 //
 // Layout: q [bs, heads, q_len, d], k and v [bs, kv_heads, L, d] and mask [bs, q_len, L]
 // (bytes, nonzero attends; or additive terms in the inputs' dtype; or none: attend to all)
