@@ -21,7 +21,9 @@ from sglang_graft.engine.attention import (
     small_block_attention,
     use_gqa_attention,
 )
-from sglang_graft.engine.cpu_linear import cpu_flags
+from sglang_graft.engine.cpu_linear import cpu_flags, use_cpu_kernel
+from sglang_graft.engine.cpu_linear import unavailable_reason as cpu_linear_unavailable
+from sglang_graft.engine.kv import PaddedKV, left_pad
 
 pytestmark = pytest.mark.skipif(
     not small_attention_available(),
@@ -46,21 +48,25 @@ def _inputs(bs, heads, kv_heads, q, length, d, dtype, seed):
     return query, key, value, mask
 
 
+def _assert_as_accurate_as_ops(got, query, key, value, mask, scale) -> None:
+    """Against a float64 reference, ``got`` errs no more than PyTorch's float32 ops do
+    (``small_block_attention`` in the inputs' dtype), within float32 rounding."""
+    want = small_block_attention(query.double(), key.double(), value.double(), mask, scale).transpose(1, 2)
+    ops = small_block_attention(query, key, value, mask, scale).transpose(1, 2)
+    err, ops_err = ((x.double() - want).abs().max().item() for x in (got, ops))
+    assert err <= 2 * ops_err + 1e-6, f"kernel error {err:.3g}, PyTorch's ops {ops_err:.3g}"
+
+
 @pytest.mark.parametrize("additive", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, d", [(12, 2, 128), (14, 2, 64), (4, 4, 64), (2, 1, 256)])
 @pytest.mark.parametrize("q, length", [(1, 1), (1, 700), (3, 17), (8, 64), (13, 130), (32, 300)])
 def test_as_accurate_as_pytorch_ops(dtype, heads, kv_heads, d, q, length, additive) -> None:
-    """Against a float64 reference, the kernel errs no more than PyTorch's float32 ops do
-    (``small_block_attention`` in the same dtype), within float32 rounding; a bool mask and
-    the engine's additive one alike."""
+    """A bool mask and the engine's additive one alike."""
     query, key, value, mask = _inputs(2, heads, kv_heads, q, length, d, dtype, seed=q * 1000 + length)
     got = small_attention(query, key, value, _additive(mask, dtype) if additive else mask, d**-0.5)
     assert got is not None and got.dtype == dtype and got.shape == (2, q, heads, d)
-    want = small_block_attention(query.double(), key.double(), value.double(), mask, d**-0.5).transpose(1, 2)
-    ops = small_block_attention(query, key, value, mask, d**-0.5).transpose(1, 2)
-    err, ops_err = ((x.double() - want).abs().max().item() for x in (got, ops))
-    assert err <= 2 * ops_err + 1e-6, f"kernel error {err:.3g}, PyTorch's ops {ops_err:.3g}"
+    _assert_as_accurate_as_ops(got, query, key, value, mask, d**-0.5)
     # The row with nothing to attend averages every value of its KV head.
     mean = value[0, 0].double().mean(dim=0)
     torch.testing.assert_close(got[0, 0, 0].double(), mean, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
@@ -72,15 +78,9 @@ def test_broadcast_mask_strided_cache_and_no_mask() -> None:
     key_view, value_view = key[:, :, 10:], value[:, :, 10:]
     shared = mask[:1, :, :, 10:]
     got = small_attention(query, key_view, value_view, shared, 0.1)
-    want = small_block_attention(query.double(), key_view.double(), value_view.double(), shared, 0.1)
-    torch.testing.assert_close(got.double(), want.transpose(1, 2), rtol=0, atol=2e-6)
+    _assert_as_accurate_as_ops(got, query, key_view, value_view, shared, 0.1)
     one = query[:, :, :1]
-    torch.testing.assert_close(
-        small_attention(one, key, value, None, 0.1).double(),
-        small_block_attention(one.double(), key.double(), value.double(), None, 0.1).transpose(1, 2),
-        rtol=0,
-        atol=2e-6,
-    )
+    _assert_as_accurate_as_ops(small_attention(one, key, value, None, 0.1), one, key, value, None, 0.1)
 
 
 def test_inputs_it_does_not_take_come_back_none() -> None:
@@ -93,28 +93,28 @@ def test_inputs_it_does_not_take_come_back_none() -> None:
     assert small_attention(*narrow, 0.25) is None
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     q=st.integers(2, 12),
     length=st.integers(1, 200),
     row=st.integers(0, 11),
-    extra=st.integers(1, 40),
+    seen=st.floats(0.05, 1.0),
     bf16=st.booleans(),
 )
-def test_a_query_gets_the_same_bits_alone_or_in_a_block(q, length, row, extra, bf16) -> None:
+def test_a_query_gets_the_same_bits_alone_or_in_a_block(q, length, row, seen, bf16) -> None:
     """A decode step and a tree verify compute a token's attention alike: the other queries
-    of the block, and keys masked off after the cache (the tree's other nodes), change no
-    bit of its output."""
+    of the block, and keys the token does not see wherever they sit (a tree's other
+    branches, padding), change no bit of its output."""
     row = row % q
     dtype = torch.bfloat16 if bf16 else torch.float32
-    query, key, value, mask = _inputs(1, 12, 2, q, length + extra, 128, dtype, seed=q * 997 + length)
-    mask[..., length:] = False
-    mask[:, :, row, length - 1] = True  # the row attends to something in both calls
-    mask = _additive(mask, dtype)  # as the engine passes it
-    block = small_attention(query, key, value, mask, 0.125)
-    alone = small_attention(
-        query[:, :, row : row + 1], key[:, :, :length], value[:, :, :length], mask[:, :, row : row + 1, :length], 0.125
-    )
+    query, key, value, mask = _inputs(1, 12, 2, q, length, 128, dtype, seed=q * 997 + length)
+    gen = torch.Generator().manual_seed(length)
+    sees = torch.rand(length, generator=gen) < seen
+    sees[-1] = True  # the token itself
+    mask[:, :, row] = sees
+    idx = sees.nonzero().squeeze(1)
+    block = small_attention(query, key, value, _additive(mask, dtype), 0.125)  # as the engine passes it
+    alone = small_attention(query[:, :, row : row + 1], key[:, :, idx], value[:, :, idx], None, 0.125)
     assert torch.equal(block[:, row : row + 1], alone)
 
 
@@ -154,3 +154,73 @@ def test_policies_equal_ar_through_the_kernel(wide_pair, policy) -> None:
         assert [r.token_ids for r in out] == [r.token_ids for r in ar]
     accepted = sum(sum(r.accepted.values()) for out in runs for r in out)
     assert accepted > 0, f"{policy} accepted nothing: the test would prove nothing"
+
+
+def _decode_and_verify_logits(model: torch.nn.Module, prompt: list[int], chain: int) -> tuple[list, list]:
+    """Logits of ``chain`` one-token decode steps after ``prompt``, and of the same tokens
+    as one branch of a tree verify (with a sibling beside each), over identical caches."""
+    tokens, valid = left_pad([prompt[:-1]], 0, "cpu")
+
+    def prefilled() -> PaddedKV:
+        kv = PaddedKV(1, "cpu")
+        kv.prefill(model, tokens, valid)
+        return kv
+
+    kv, seq, decoded = prefilled(), [prompt[-1]], []
+    for _ in range(chain):
+        logits = kv.forward(model, torch.tensor([[seq[-1]]]), kv.lengths.unsqueeze(1), torch.zeros(1, 1, 1, dtype=torch.bool))
+        kv.valid[:, -1] = True
+        kv.lengths = kv.lengths + 1
+        decoded.append(logits[0, -1])
+        seq.append(int(logits[0, -1].argmax()))
+    # The tree: the root, then per level a sibling (never on the path) and the path token.
+    nodes, parents, depths, path = [seq[0]], [-1], [0], [0]
+    for depth in range(1, chain):
+        for token in ((seq[depth] + 1) % 200, seq[depth]):
+            nodes.append(token)
+            parents.append(path[-1])
+            depths.append(depth)
+        path.append(len(nodes) - 1)
+    n = len(nodes)
+    ancestors = torch.zeros(1, n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            ancestors[0, i, j] = True
+            j = parents[j]
+    kv = prefilled()
+    logits = kv.forward(model, torch.tensor([nodes]), kv.lengths.unsqueeze(1) + torch.tensor([depths]), ancestors)
+    return decoded, [logits[0, i] for i in path]
+
+
+@pytest.mark.skipif(cpu_linear_unavailable() is not None, reason=f"CPU linear kernel: {cpu_linear_unavailable()}")
+def test_bf16_tree_verify_gives_a_token_its_decode_step_bits() -> None:
+    """With the project's linear kernels and this one, a bf16 tree verify computes each path
+    token's logits bitwise as plain decoding does: greedy speculation cannot flip a near-tie."""
+    target, _ = tiny_models("qwen2", vocab_size=200, seed=5, hidden=256, dtype=torch.bfloat16)
+    assert target.config._attn_implementation == GQA_KERNEL
+    use_cpu_kernel(target)
+    # Long prompts: over 700 cached tokens PyTorch's ops already differ at some depths.
+    for seed in range(3):
+        prompt = torch.randint(0, 200, (700,), generator=torch.Generator().manual_seed(seed)).tolist()
+        with torch.inference_mode():
+            decoded, verified = _decode_and_verify_logits(target, prompt, chain=4)
+        for depth, (a, b) in enumerate(zip(decoded, verified)):
+            assert torch.equal(a, b), f"prompt {seed}, depth {depth}: verify logits differ from the decode step's"
+
+
+@pytest.mark.skipif(cpu_linear_unavailable() is not None, reason=f"CPU linear kernel: {cpu_linear_unavailable()}")
+@pytest.mark.parametrize("policy", ["dense", "graft"])
+def test_bf16_policies_equal_ar_token_for_token(policy) -> None:
+    """bf16 through both kernels: no near-tie can flip, so speculation equals plain decoding
+    exactly, a batch with left padding included."""
+    target, draft = tiny_models("qwen2", vocab_size=200, seed=6, hidden=256, dtype=torch.bfloat16)
+    for model in (target, draft):
+        use_cpu_kernel(model)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (500, 320)]
+    ar = SpecEngine(target, None, EngineConfig(policy="ar")).generate(prompts, 24).requests
+    engine = SpecEngine(target, draft, EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3))
+    out = engine.generate(prompts, 24).requests
+    assert [r.token_ids for r in out] == [r.token_ids for r in ar]
+    assert sum(sum(r.accepted.values()) for r in out) > 0, f"{policy} accepted nothing: the test would prove nothing"

@@ -15,8 +15,12 @@
 // an additive mask's terms are added to the scaled scores (its dtype's lowest, as the engine
 // passes for hidden keys, again gives 0 exactly).
 // exp is a degree-6 polynomial after range reduction (about 1 ulp). A query's output depends
-// only on its own row, the keys and the mask: not on which other queries share the call, nor
-// on masked keys after the last one it sees (a tree's later nodes), which add exact zeros.
+// only on its own row and the keys it sees, in their order: not on which other queries share
+// the call, nor on the keys it does not see, wherever they sit (a tree's other branches,
+// padding): they weigh exactly 0, the softmax's denominator sums the nonzero terms packed in
+// key order, and the weighted sum adds values in key order. With the project's linear
+// kernels (also fixed-order per row), a tree verify then gives a token the bits a one-token
+// decode step gives it.
 //
 // Layout: q [bs, heads, q_len, d], k and v [bs, kv_heads, L, d] and mask [bs, q_len, L]
 // (bytes, nonzero attends; or additive terms in the inputs' dtype; or none: attend to all)
@@ -117,7 +121,7 @@ struct Call {
 // Per thread, reused across calls: widened queries, scores, a widened K (transposed) or V
 // block, output accumulators.
 struct Scratch {
-  std::vector<float> q, scores, block, acc;
+  std::vector<float> q, scores, block, acc, packed;
 };
 
 // scores[r][kb0 + c] = q[r] . key[kb0 + c] for a register block of R query rows against a
@@ -185,9 +189,9 @@ inline __m512 load16_masked(const bf16* p, __mmask16 in) {
 
 // Masked softmax of one row of scores in place (times `scale`, then masked: a bool mask's
 // hidden keys score the float's lowest, an additive mask's terms are added); lanes past L
-// end as 0. The mask row is contiguous over the keys.
+// end as 0. The mask row is contiguous over the keys; `packed` holds `padded` + 16 floats.
 template <MaskKind Kind, typename T>
-inline void softmax_row(float* s, long L, long padded, const void* mask, float scale) {
+inline void softmax_row(float* s, long L, long padded, const void* mask, float scale, float* packed) {
   const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
   __m512 vmax = lowest;
   for (long l = 0; l < padded; l += kLanes) {
@@ -203,12 +207,18 @@ inline void softmax_row(float* s, long L, long padded, const void* mask, float s
     vmax = _mm512_mask_max_ps(vmax, in, vmax, x);
   }
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
+  // The denominator sums the nonzero terms packed in key order, so the keys a row does not
+  // see (zeros wherever they sit: a tree's siblings, padding) leave its bits alone.
+  long count = 0;
   for (long l = 0; l < padded; l += kLanes) {
     const __m512 e = _mm512_maskz_mov_ps(lanes_below(L - l), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + l), top)));
     _mm512_storeu_ps(s + l, e);
-    vsum = _mm512_add_ps(vsum, e);
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    _mm512_storeu_ps(packed + count, _mm512_maskz_compress_ps(nonzero, e));
+    count += __builtin_popcount(nonzero);
   }
+  __m512 vsum = _mm512_setzero_ps();
+  for (long l = 0; l < count; l += kLanes) vsum = _mm512_add_ps(vsum, _mm512_maskz_loadu_ps(lanes_below(count - l), packed + l));
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
   for (long l = 0; l < padded; l += kLanes) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inv));
 }
@@ -223,6 +233,7 @@ void task(const Call& c, Scratch& w, long b, long h, long r0, long r1) {
   w.scores.resize(rows * padded);
   w.block.resize(kKeys * d);
   w.acc.assign(rows * d, 0.0f);
+  w.packed.resize(padded + kLanes);
   const T* q = static_cast<const T*>(c.q);
   const T* k = static_cast<const T*>(c.k) + b * c.ks[0] + h * c.ks[1];
   const T* v = static_cast<const T*>(c.v) + b * c.vs[0] + h * c.vs[1];
@@ -250,12 +261,13 @@ void task(const Call& c, Scratch& w, long b, long h, long r0, long r1) {
   for (long r = 0; r < rows; ++r) {
     const long i = (r0 + r) % c.q_len;
     float* row = &w.scores[r * padded];
+    const long at = b * c.ms[0] + i * c.ms[1];
     if (c.mask_kind == kBoolMask)
-      softmax_row<kBoolMask, T>(row, L, padded, static_cast<const uint8_t*>(c.mask) + b * c.ms[0] + i * c.ms[1], c.scale);
+      softmax_row<kBoolMask, T>(row, L, padded, static_cast<const uint8_t*>(c.mask) + at, c.scale, w.packed.data());
     else if (c.mask_kind == kAdditiveMask)
-      softmax_row<kAdditiveMask, T>(row, L, padded, static_cast<const T*>(c.mask) + b * c.ms[0] + i * c.ms[1], c.scale);
+      softmax_row<kAdditiveMask, T>(row, L, padded, static_cast<const T*>(c.mask) + at, c.scale, w.packed.data());
     else
-      softmax_row<kNoMask, T>(row, L, padded, nullptr, c.scale);
+      softmax_row<kNoMask, T>(row, L, padded, nullptr, c.scale, w.packed.data());
   }
   // Weighted values, a value block at a time (widened to [kKeys][d]).
   for (long kb = 0; kb < L; kb += kKeys) {
