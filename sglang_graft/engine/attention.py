@@ -20,7 +20,11 @@ least float32, each KV head serving its group of query heads through one matmul.
 On CPUs with AVX512 (``SMALL_ATTENTION_NEEDS``) those blocks run in one pass of the
 project's kernel instead (``csrc/small_attention.cpp``, ``small_attention``): 8 queries of
 the 1.5B target over 700 cached tokens 98 against 260 us a layer, one query 31 against 94
-(2-core Zen 5 EPYC, bf16). ``use_gqa_attention(model, kernel=False)`` keeps PyTorch's ops.
+(2-core Zen 5 EPYC, bf16). A query's output there does not depend on which other queries
+share the block, nor on the keys it does not see, so with the project's linear kernels
+(``engine.cpu_linear``) a bf16 tree verify gives each path token the logits its one-token
+decode step would, bit for bit, and greedy speculation equals plain decoding exactly.
+``use_gqa_attention(model, kernel=False)`` keeps PyTorch's ops.
 
 The models the CLI and the benchmark load all use it, transformers' baselines included
 (they share the loaded target and draft), so every method measures the same attention.
