@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -42,13 +41,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sglang_graft.engine.cpu_linear import build_library, cpu_flags
-
-log = logging.getLogger(__name__)
+from sglang_graft.engine.cpu_linear import optional_library
 
 #: The name under which ``gqa_sdpa_forward`` is registered with transformers.
 GQA_SDPA = "graft_gqa_sdpa"
-#: ... and ``gqa_kernel_forward``, the same with small blocks through the kernel.
+#: ... and ``gqa_sdpa_forward`` with ``kernel=True``: small blocks through ``small_attention``.
 GQA_KERNEL = "graft_gqa_kernel"
 #: Query blocks up to this many tokens take ``small_block_attention`` on the CPU.
 SMALL_BLOCK = 32
@@ -89,21 +86,22 @@ def small_block_attention(
 def _small_attention_library() -> ctypes.CDLL | None:
     """The kernel library, built and loaded once; None where the CPU lacks AVX512 or the
     build fails (logged: PyTorch's ops run instead)."""
-    missing = SMALL_ATTENTION_NEEDS - cpu_flags()
-    if missing:
-        log.info("small-block attention runs on PyTorch's ops: the CPU lacks %s", ", ".join(sorted(missing)))
-        return None
-    try:
-        lib = build_library(SMALL_ATTENTION_SOURCE, _SMALL_ATTENTION_FLAGS, "small-block attention kernel")
-    except (RuntimeError, OSError) as err:
-        log.warning("the small-block attention kernel is unavailable, PyTorch's ops run instead: %s", err)
-        return None
-    lib.graft_small_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_long] * 6 + [
-        ctypes.c_void_p,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
-    lib.graft_small_attention.restype = None
+    lib = optional_library(
+        SMALL_ATTENTION_SOURCE,
+        _SMALL_ATTENTION_FLAGS,
+        SMALL_ATTENTION_NEEDS,
+        "small-block attention kernel",
+        "PyTorch's ops run instead",
+    )
+    if lib is not None:
+        pointers = [ctypes.c_void_p] * 4
+        sizes = [ctypes.c_long] * 6
+        lib.graft_small_attention.argtypes = pointers + [ctypes.c_int, ctypes.c_void_p] + sizes + [
+            ctypes.c_void_p,  # strides
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+        lib.graft_small_attention.restype = None
     return lib
 
 

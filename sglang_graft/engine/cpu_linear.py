@@ -180,19 +180,32 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def optional_library(
+    source: Path, flags: tuple[str, ...], needs: frozenset[str], what: str, fallback: str
+) -> ctypes.CDLL | None:
+    """``build_library`` where the CPU has every flag of ``needs``; None where it lacks one
+    or the build fails, logged with ``fallback`` (what runs instead)."""
+    missing = needs - cpu_flags()
+    if missing:
+        log.info("the %s cannot run here (the CPU lacks %s): %s", what, ", ".join(sorted(missing)), fallback)
+        return None
+    try:
+        return build_library(source, flags, what)
+    except (RuntimeError, OSError) as err:
+        log.warning("the %s is unavailable, %s: %s", what, fallback, err)
+        return None
+
+
 @functools.cache
 def _bf16_dot_library() -> ctypes.CDLL | None:
     """The AVX512-BF16 library for bf16 x bf16 products, built and loaded once; None where
     the CPU lacks AVX512-BF16 or the build fails (logged: the AVX2 path runs instead)."""
-    if not BF16_DOT_NEEDS <= cpu_flags():
-        return None
-    try:
-        lib = build_library(BF16_DOT_SOURCE, _BF16_DOT_FLAGS, "AVX512-BF16 linear kernel")
-    except (RuntimeError, OSError) as err:
-        log.warning("the AVX512-BF16 linear kernel is unavailable, bf16 layers take the AVX2 path: %s", err)
-        return None
-    lib.graft_bf16_dot_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    lib.graft_bf16_dot_linear.restype = None
+    lib = optional_library(
+        BF16_DOT_SOURCE, _BF16_DOT_FLAGS, BF16_DOT_NEEDS, "AVX512-BF16 linear kernel", "bf16 layers take the AVX2 path"
+    )
+    if lib is not None:
+        lib.graft_bf16_dot_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        lib.graft_bf16_dot_linear.restype = None
     return lib
 
 
