@@ -138,7 +138,8 @@ def test_model_logits_match_pytorch_ops(wide_pair) -> None:
     mask |= torch.eye(12, dtype=torch.bool)
     with torch.inference_mode():
         for m in (mask, _additive(mask, torch.float32)):
-            torch.testing.assert_close(target(x, attention_mask=m).logits, plain(x, attention_mask=m).logits, rtol=0, atol=1e-4)
+            got, want = (model(x, attention_mask=m).logits for model in (target, plain))
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["dense", "pruned", "retrieval", "graft"])
@@ -168,7 +169,8 @@ def _decode_and_verify_logits(model: torch.nn.Module, prompt: list[int], chain: 
 
     kv, seq, decoded = prefilled(), [prompt[-1]], []
     for _ in range(chain):
-        logits = kv.forward(model, torch.tensor([[seq[-1]]]), kv.lengths.unsqueeze(1), torch.zeros(1, 1, 1, dtype=torch.bool))
+        step = torch.tensor([[seq[-1]]])
+        logits = kv.forward(model, step, kv.lengths.unsqueeze(1), torch.zeros(1, 1, 1, dtype=torch.bool))
         kv.valid[:, -1] = True
         kv.lengths = kv.lengths + 1
         decoded.append(logits[0, -1])

@@ -211,14 +211,16 @@ inline void softmax_row(float* s, long L, long padded, const void* mask, float s
   // see (zeros wherever they sit: a tree's siblings, padding) leave its bits alone.
   long count = 0;
   for (long l = 0; l < padded; l += kLanes) {
-    const __m512 e = _mm512_maskz_mov_ps(lanes_below(L - l), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + l), top)));
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + l), top);
+    const __m512 e = _mm512_maskz_mov_ps(lanes_below(L - l), exp_nonpositive(x));
     _mm512_storeu_ps(s + l, e);
     const __mmask16 nonzero = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_OQ);
     _mm512_storeu_ps(packed + count, _mm512_maskz_compress_ps(nonzero, e));
     count += __builtin_popcount(nonzero);
   }
   __m512 vsum = _mm512_setzero_ps();
-  for (long l = 0; l < count; l += kLanes) vsum = _mm512_add_ps(vsum, _mm512_maskz_loadu_ps(lanes_below(count - l), packed + l));
+  for (long l = 0; l < count; l += kLanes)
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_loadu_ps(lanes_below(count - l), packed + l));
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
   for (long l = 0; l < padded; l += kLanes) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inv));
 }
@@ -319,7 +321,8 @@ extern "C" {
 void graft_small_attention(const void* q, const void* k, const void* v, const void* mask, int mask_kind, void* out,
                            long bs, long heads, long kv_heads, long q_len, long L, long d, const long* strides,
                            float scale, int bf16_inputs) {
-  const Call c{q, k, v, mask, mask_kind, out, heads, kv_heads, q_len, L, d, strides, strides + 3, strides + 6, strides + 9, scale};
+  const Call c{q, k, v, mask, mask_kind, out, heads, kv_heads, q_len, L, d,
+               strides, strides + 3, strides + 6, strides + 9, scale};
   if (bf16_inputs)
     run<bf16>(c, bs);
   else
