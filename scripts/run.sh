@@ -40,13 +40,13 @@ paths=$("$bin/python" scripts/fetch_cpu_models.py | tail -n 1)
 target=$("$bin/python" -c 'import json, sys; print(json.loads(sys.argv[1])["target"])' "$paths")
 draft=$("$bin/python" -c 'import json, sys; print(json.loads(sys.argv[1])["draft"])' "$paths")
 threads=${GRAFT_THREADS:-$(nproc)}
-# The tree settings measured fastest for this pair on 2-core CPUs (README, "Benchmarks"): an
-# 8-node budget, 4 children per level, the draft's head over its 32768 lowest ids, the draft
+# The tree settings measured fastest for this pair on 2-core CPUs (README, "Benchmarks"): a
+# 12-node budget, 4 children per level, the draft's head over its 32768 lowest ids, the draft
 # in int8, the verify-cost curve timed on this host first (a few seconds) and then kept
 # fitted to the rounds' own timings (--online-costs: the draft's price too). Later flags
 # win; GRAFT_CPU_FLAGS replaces the set (e.g. GRAFT_CPU_FLAGS= for the engine's defaults).
 # The dtype is bfloat16; on CPUs without native bf16 matmul the linear layers then run through
 # the project's AVX2 kernel (--cpu-kernel auto; see --help).
-read -r -a cpu_flags <<< "${GRAFT_CPU_FLAGS---num-nodes 8 --draft-topk 4 --draft-vocab 32768 --draft-int8 --verify-costs auto --online-costs}"
+read -r -a cpu_flags <<< "${GRAFT_CPU_FLAGS---num-nodes 12 --draft-topk 4 --draft-vocab 32768 --draft-int8 --verify-costs auto --online-costs}"
 exec "$bin/sglang-graft" generate --target "$target" --draft "$draft" --threads "$threads" \
   "${cpu_flags[@]}" "${gen[@]}" "${args[@]}"
