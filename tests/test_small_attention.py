@@ -91,6 +91,7 @@ def test_inputs_it_does_not_take_come_back_none() -> None:
     assert small_attention(query, key.bfloat16(), value, mask, 0.1) is None
     narrow = _inputs(1, 4, 2, 2, 10, 16, torch.float32, seed=0)
     assert small_attention(*narrow, 0.25) is None
+    assert small_attention(query[:0], key[:0], value[:0], mask[:0], 0.1) is None
 
 
 @settings(max_examples=30, deadline=None)
