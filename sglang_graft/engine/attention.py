@@ -117,8 +117,8 @@ def small_attention(
     layout ``o_proj`` reads), or None where the kernel does not take these inputs: not on
     the CPU, not all bfloat16 or all float32, a head size that is not a multiple of 64 up
     to 256, an empty batch, block or cache, an additive mask in another dtype, or no kernel
-    on this CPU. Scores, softmax and
-    the weighted sum run in float32, as ``small_block_attention`` runs them."""
+    on this CPU. Scores, softmax and the weighted sum run in float32, as
+    ``small_block_attention`` runs them."""
     bs, heads, q, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if (

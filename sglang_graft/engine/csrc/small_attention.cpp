@@ -45,11 +45,11 @@ constexpr long kKeys = 64;  // keys per block: a widened K or V block of d <= 25
 constexpr int kRows = 4;    // query rows per register block
 constexpr int kLanes = 16;
 
+// bf16 -> float32 is exact: the 16 bits become the float's top half.
+inline __m512 widen(__m256i halves) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)); }
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const bf16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 // Rounded to nearest even, as PyTorch rounds float32 to bf16.
@@ -182,10 +182,7 @@ inline __mmask16 lanes_below(long left) {
 }
 
 inline __m512 load16_masked(const float* p, __mmask16 in) { return _mm512_maskz_loadu_ps(in, p); }
-inline __m512 load16_masked(const bf16* p, __mmask16 in) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16_masked(const bf16* p, __mmask16 in) { return widen(_mm256_maskz_loadu_epi16(in, p)); }
 
 // Masked softmax of one row of scores in place (times `scale`, then masked: a bool mask's
 // hidden keys score the float's lowest, an additive mask's terms are added); lanes past L
