@@ -227,3 +227,20 @@ def test_bf16_policies_equal_ar_token_for_token(policy) -> None:
     out = engine.generate(prompts, 24).requests
     assert [r.token_ids for r in out] == [r.token_ids for r in ar]
     assert sum(sum(r.accepted.values()) for r in out) > 0, f"{policy} accepted nothing: the test would prove nothing"
+
+
+@pytest.mark.parametrize("bs, kv_heads", [(1, 1), (1, 2), (3, 2)])
+def test_thread_count_changes_no_bit(bs, kv_heads) -> None:
+    """With more threads than (batch row, KV head) pairs the kernel splits a head's query rows
+    between threads; each row is still computed alone, so the bits stay those of one thread."""
+    query, key, value, mask = _inputs(bs, 4 * kv_heads, kv_heads, 9, 150, 64, torch.bfloat16, seed=bs + kv_heads)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = small_attention(query, key, value, mask, 0.125)
+        torch.set_num_threads(4)
+        four = small_attention(query, key, value, mask, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, four)
+    _assert_as_accurate_as_ops(four, query, key, value, mask, 0.125)
