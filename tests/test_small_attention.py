@@ -32,6 +32,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# The bitwise claims below need the linear layers on the project's fixed-order kernels too.
+needs_linear_kernel = pytest.mark.skipif(
+    cpu_linear_unavailable() is not None, reason=f"CPU linear kernel: {cpu_linear_unavailable()}"
+)
+
+
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The engine's form of a mask: 0 where it attends, the dtype's lowest elsewhere."""
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
@@ -196,7 +202,7 @@ def _decode_and_verify_logits(model: torch.nn.Module, prompt: list[int], chain: 
     return decoded, [logits[0, i] for i in path]
 
 
-@pytest.mark.skipif(cpu_linear_unavailable() is not None, reason=f"CPU linear kernel: {cpu_linear_unavailable()}")
+@needs_linear_kernel
 def test_bf16_tree_verify_gives_a_token_its_decode_step_bits() -> None:
     """With the project's linear kernels and this one, a bf16 tree verify computes each path
     token's logits bitwise as plain decoding does: greedy speculation cannot flip a near-tie."""
@@ -212,7 +218,7 @@ def test_bf16_tree_verify_gives_a_token_its_decode_step_bits() -> None:
             assert torch.equal(a, b), f"prompt {seed}, depth {depth}: verify logits differ from the decode step's"
 
 
-@pytest.mark.skipif(cpu_linear_unavailable() is not None, reason=f"CPU linear kernel: {cpu_linear_unavailable()}")
+@needs_linear_kernel
 @pytest.mark.parametrize("policy", ["dense", "graft"])
 def test_bf16_policies_equal_ar_token_for_token(policy) -> None:
     """bf16 through both kernels: no near-tie can flip, so speculation equals plain decoding
