@@ -91,8 +91,9 @@ def _require_bf16_dot() -> None:
     assert _bf16_dot_library() is not None, "the AVX512-BF16 path failed to build (see the log)"
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 13, BF16_DOT_MAX_ROWS])  # 2 x 8 and 4 x 6 blocks, partial blocks
-@pytest.mark.parametrize("k", [29, 96, 1543])  # a tail only, full steps only, both
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 12, 13, BF16_DOT_MAX_ROWS])  # 2 x 8 and 4 x 6 blocks, partial ones;
+# 5 to 12 rows: two or three passes in segments of 128 k
+@pytest.mark.parametrize("k", [29, 96, 1543])  # a tail only; full steps only, under one segment; both, over 12 segments
 def test_bf16_paths_match_float64_and_are_batch_invariant(bf16_path, m, k):
     gen = torch.Generator().manual_seed(m * 1000 + k)
     w = torch.randn(45, k, generator=gen).bfloat16()  # 45: 8- and 6-row blocks with a remainder
