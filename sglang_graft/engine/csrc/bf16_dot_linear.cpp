@@ -26,7 +26,8 @@
 // chunk); while the later passes over a block multiply, the next block's rows are
 // prefetched (see Prefetch). Calls of 5 to 12 rows (two or three passes) go through each
 // block in segments of k instead, so the weight stream never waits for a whole pass (see
-// kSegment). The main loop's loads are unmasked: masked ones halved its speed. Threads: OpenMP, sharing PyTorch's runtime, so torch.set_num_threads applies.
+// kSegment). The main loop's loads are unmasked: masked ones halved its speed.
+// Threads: OpenMP, sharing PyTorch's runtime, so torch.set_num_threads applies.
 #include <immintrin.h>
 
 #include <omp.h>
@@ -169,9 +170,10 @@ inline void rows(const Call& c, long n0, long n1) {
 // same 256 bytes a row from the L1 cache while those prefetches are in flight, so the weight
 // stream no longer stops for a block's compute-only passes. Each accumulator still takes its
 // k in the same order, so the outputs are bitwise those of whole-k blocks. On a 2-core Zen 5
-// EPYC (28 layers of a 1.5B target's shapes) 8 rows took 54.6 ms instead of 61.4 and 12 rows
-// 61.5 instead of 70.4; 96-k segments were about as fast, 64 and 192 slower, and four passes
-// (16 rows) slower than whole-k blocks (88.2 against 83.9 ms).
+// EPYC (28 layers of a 1.5B target's shapes, while its memory was fast) 6 rows took 49.5 ms
+// instead of 54.9, 8 rows 52.7 instead of 59.4, 12 rows 64.2 instead of 69.7 (while it was
+// slow: -4% to +1%); 96-k segments were about as fast as 128, 32, 64 and 192 slower, four
+// passes (16 rows) slower than whole-k blocks (88.2 against 83.9 ms).
 constexpr long kSegment = 128;
 constexpr long kMaxSegmentPasses = 3;
 
