@@ -5,11 +5,37 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+
+from sglang_graft.engine import EngineConfig, SpecEngine, int8_linear
 
 # Where the engine tests put their models: the CPU in CI; scripts/gpu_check.sh runs the same
 # tests with SGLANG_GRAFT_TEST_DEVICE=cuda, so the engine is checked on a GPU by its own suite.
 TEST_DEVICE = torch.device(os.environ.get("SGLANG_GRAFT_TEST_DEVICE", "cpu"))
+
+#: Every int8 kernel (``engine.int8_linear.KERNELS``), each skipped where it cannot run (naming why).
+EACH_INT8_KERNEL = pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param(k, marks=pytest.mark.skipif(why is not None, reason=f"the {k} int8 kernel cannot run here: {why}"))
+        for k, why in ((k, int8_linear.unavailable_reason(k)) for k in int8_linear.KERNELS)
+    ],
+)
+
+INT8_PROMPTS = [[5, 9, 11, 3, 17, 5, 9, 11], [40, 41, 42, 43, 40, 41, 42], [7, 7, 8, 100, 7, 7, 8, 100, 7]]
+
+
+def assert_int8_draft_lossless(target: torch.nn.Module, draft: torch.nn.Module, policy: str, kernel: str) -> SpecEngine:
+    """Greedy ``policy`` with ``draft`` as an int8 draft on ``kernel`` decodes ``INT8_PROMPTS``
+    as ``ar`` does, with some draft tokens accepted; returns the engine."""
+    ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(INT8_PROMPTS, 24)
+    config = EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel=kernel)
+    engine = SpecEngine(target, draft, config)
+    batch = engine.generate(INT8_PROMPTS, 24)
+    assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]
+    assert sum(r.accepted["draft"] for r in batch.requests) > 0, "no draft accepted: the test would prove nothing"
+    return engine
 
 
 def random_parents(n: int, gen: torch.Generator) -> list[int]:

@@ -7,24 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine import EngineConfig, tiny_models
 from sglang_graft.engine import draft_int8 as draft_int8_module
 from sglang_graft.engine import int8_linear
 from sglang_graft.engine.draft_int8 import int8_draft, int8_kernel, resolve_int8_kernel
-from sglang_graft.engine.int8_linear import KERNELS, Int8Linear, fits, quantize_weight
+from sglang_graft.engine.int8_linear import Int8Linear, fits, quantize_weight
 from sglang_graft.engine.models import weight_cost_ratio
 
-#: Every kernel, each skipped where it cannot run (naming why).
-EACH_KERNEL = pytest.mark.parametrize(
-    "kernel",
-    [
-        pytest.param(k, marks=pytest.mark.skipif(why is not None, reason=f"the {k} int8 kernel cannot run here: {why}"))
-        for k, why in ((k, int8_linear.unavailable_reason(k)) for k in KERNELS)
-    ],
-)
-
-PROMPTS = [[5, 9, 11, 3, 17, 5, 9, 11], [40, 41, 42, 43, 40, 41, 42], [7, 7, 8, 100, 7, 7, 8, 100, 7]]
-
+from helpers import EACH_INT8_KERNEL, assert_int8_draft_lossless
 
 def reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """The kernel's arithmetic, with exact integer sums: each row of ``x`` quantized to int8
@@ -39,7 +29,7 @@ def reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return out + (0.0 if linear.bias is None else linear.bias.double())
 
 
-@EACH_KERNEL
+@EACH_INT8_KERNEL
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 16, 17, 32, 40])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "bias"),
@@ -61,7 +51,7 @@ def test_kernel_computes_its_documented_arithmetic(kernel, rows, out_features, i
     assert float((got - exact).norm() / exact.norm()) < 0.03
 
 
-@EACH_KERNEL
+@EACH_INT8_KERNEL
 def test_leading_dimensions_and_a_zero_row(kernel):
     linear = torch.nn.Linear(64, 32)
     layer = Int8Linear.from_linear(linear, kernel)
@@ -112,7 +102,7 @@ def test_kernel_choice_falls_back_or_refuses_by_name(monkeypatch):
     assert resolve_int8_kernel("auto") == "vnni"
 
 
-@EACH_KERNEL
+@EACH_INT8_KERNEL
 @pytest.mark.parametrize("policy", ["dense", "graft"])
 def test_an_int8_draft_on_the_kernel_is_lossless(kernel, policy):
     target, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
@@ -122,10 +112,5 @@ def test_an_int8_draft_on_the_kernel_is_lossless(kernel, policy):
     assert any(n.endswith("self_attn.q_proj") for n in ours) and any(n.endswith("mlp.up_proj") for n in ours)
     assert type(q.get_output_embeddings()) is not Int8Linear  # the head stays sliceable for DraftHead
     assert weight_cost_ratio(q, target) < weight_cost_ratio(draft, target)  # one byte per int8 weight
-    ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, 24)
-    config = EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel=kernel)
-    engine = SpecEngine(target, draft, config)
+    engine = assert_int8_draft_lossless(target, draft, policy, kernel)
     assert int8_kernel(engine.draft) == kernel
-    batch = engine.generate(PROMPTS, 24)
-    assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]
-    assert sum(r.accepted["draft"] for r in batch.requests) > 0, "no draft accepted: the test would prove nothing"

@@ -144,15 +144,18 @@ def cxx_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def build_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDLL:
-    """Compile ``source`` with ``flags`` (once per source version and flags) into
-    ``$SGLANG_GRAFT_CACHE/kernels`` and load it; ``what`` names the kernel in logs and errors.
-    Import torch first, so the library links PyTorch's OpenMP runtime."""
+def build_library(source: Path, flags: tuple[str, ...], what: str, extra_sources: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """Compile ``source`` (with ``extra_sources``, into the same library) with ``flags``
+    (once per version of the sources and flags) into ``$SGLANG_GRAFT_CACHE/kernels`` and
+    load it; ``what`` names the kernel in logs and errors. Import torch first, so the library
+    links PyTorch's OpenMP runtime."""
     if cxx_compiler() is None:
         raise RuntimeError(f"the {what} needs a C++ compiler (install g++, or set CXX)")
+    sources = (source, *extra_sources)
     # The headers beside the source count too: a kernel includes them.
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
+    headers = sorted(source.parent.glob("*.h"))
+    text = b"".join(f.read_bytes() for f in (*sources, *headers))
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
     path = folder / f"{source.stem}-{digest}.so"
     if not path.exists():
@@ -160,7 +163,7 @@ def build_library(source: Path, flags: tuple[str, ...], what: str) -> ctypes.CDL
         log.info("compiling the %s into %s (once)", what, path)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / path.name
-            cmd = [str(cxx_compiler()), *flags, str(source), "-o", str(out)]
+            cmd = [str(cxx_compiler()), *flags, *map(str, sources), "-o", str(out)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"compiling the {what} failed ({' '.join(cmd)}):\n{done.stderr}")

@@ -41,6 +41,7 @@ import warnings
 
 import torch
 
+from sglang_graft.engine.int8_decoder import fuse_int8_layers
 from sglang_graft.engine.int8_linear import KERNELS, Int8Linear, fits, unavailable_reason
 from sglang_graft.engine.cpu_linear import (
     KernelLinear,
@@ -119,7 +120,8 @@ def int8_draft(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     loaded model's weights (``CastLinear``, or ``KernelLinear`` when the model runs the CPU
     kernel; the LM head stays a linear layer that ``DraftHead`` can slice). The int8 layers
     run on the project's kernel where ``kernel`` (``INT8_KERNELS``) resolves to ``amx`` or
-    ``vnni`` and their shape fits, else through PyTorch's dynamic int8 linear. Raises
+    ``vnni`` and their shape fits, else through PyTorch's dynamic int8 linear; decoder
+    layers whose projections all run on the kernel then run as ``FusedInt8Layer``s. Raises
     ``ValueError`` for a model off the CPU, where PyTorch has no dynamic int8 kernels, and for
     a ``kernel`` that cannot run.
     """
@@ -154,6 +156,9 @@ def int8_draft(model: torch.nn.Module, kernel: str = "auto") -> torch.nn.Module:
     with warnings.catch_warnings():  # torch.ao's notice that eager quantization moves to torchao
         warnings.simplefilter("ignore")
         out = torch.ao.quantization.quantize_dynamic(out, quantized, dtype=torch.qint8, inplace=True)
+    if kernel in KERNELS:
+        fused = fuse_int8_layers(out)
+        log.info("int8 draft on the %s kernel: %d decoder layers run as two kernel calls each", kernel, fused)
     out._graft_int8_draft = True
     out._graft_int8_kernel = kernel
     # A plain attribute, not a submodule: the reader's parameters stay out of this model's.

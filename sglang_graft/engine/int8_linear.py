@@ -35,6 +35,7 @@ import torch  # imported before the library loads, so it links PyTorch's OpenMP 
 from sglang_graft.engine.cpu_linear import build_library, cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+DECODER_SOURCE = SOURCE.with_name("int8_decoder.cpp")
 _FLAGS = (
     "-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-mamx-tile", "-mamx-int8",
     "-fopenmp", "-shared", "-fPIC",
@@ -58,7 +59,7 @@ def unavailable_reason(kernel: str) -> str | None:
     if missing:
         return f"this CPU lacks {', '.join(missing)} (the {kernel} int8 kernel needs {which})"
     try:
-        _library()  # build_library names a missing compiler
+        library()  # build_library names a missing compiler
         if kernel == "amx":
             _enable_amx()
     except (RuntimeError, OSError) as err:
@@ -67,8 +68,9 @@ def unavailable_reason(kernel: str) -> str | None:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    lib = build_library(SOURCE, _FLAGS, "int8 linear kernel")
+def library() -> ctypes.CDLL:
+    """The int8 kernel library (built once), with the draft layer's calls (``engine.int8_decoder``)."""
+    lib = build_library(SOURCE, _FLAGS, "int8 linear kernel", (DECODER_SOURCE,))
     lib.graft_amx_enable.restype = ctypes.c_int
     lib.graft_int8_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
     lib.graft_int8_pack.restype = None
@@ -81,7 +83,7 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def _enable_amx() -> None:
-    if _library().graft_amx_enable() != 0:
+    if library().graft_amx_enable() != 0:
         raise RuntimeError("Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM); a kernel older than 5.16?")
 
 
@@ -130,7 +132,7 @@ class Int8Linear(torch.nn.Module):
             )
         q, scale = quantize_weight(linear.weight)
         packed = torch.empty_like(q)
-        _library().graft_int8_pack(q.data_ptr(), packed.data_ptr(), q.shape[0], q.shape[1])
+        library().graft_int8_pack(q.data_ptr(), packed.data_ptr(), q.shape[0], q.shape[1])
         comp = None if kernel == "amx" else 128 * q.sum(dim=1, dtype=torch.int32)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         return cls(kernel, packed, scale.contiguous(), bias, comp)
@@ -148,9 +150,9 @@ class Int8Linear(torch.nn.Module):
         x_ptr, w_ptr, scale_ptr, out_ptr = rows.data_ptr(), self.packed.data_ptr(), self.scale.data_ptr(), out.data_ptr()
         if self.kernel == "amx":
             _enable_amx()
-            _library().graft_amx_linear(x_ptr, w_ptr, scale_ptr, bias, out_ptr, *args)
+            library().graft_amx_linear(x_ptr, w_ptr, scale_ptr, bias, out_ptr, *args)
         else:
-            _library().graft_vnni_linear(x_ptr, w_ptr, self.comp.data_ptr(), scale_ptr, bias, out_ptr, *args)
+            library().graft_vnni_linear(x_ptr, w_ptr, self.comp.data_ptr(), scale_ptr, bias, out_ptr, *args)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
