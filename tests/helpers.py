@@ -26,11 +26,16 @@ EACH_INT8_KERNEL = pytest.mark.parametrize(
 INT8_PROMPTS = [[5, 9, 11, 3, 17, 5, 9, 11], [40, 41, 42, 43, 40, 41, 42], [7, 7, 8, 100, 7, 7, 8, 100, 7]]
 
 
-def assert_int8_draft_lossless(target: torch.nn.Module, draft: torch.nn.Module, policy: str, kernel: str) -> SpecEngine:
-    """Greedy ``policy`` with ``draft`` as an int8 draft on ``kernel`` decodes ``INT8_PROMPTS``
-    as ``ar`` does, with some draft tokens accepted; returns the engine."""
+def assert_int8_draft_lossless(
+    target: torch.nn.Module, draft: torch.nn.Module, policy: str, kernel: str, **settings: object
+) -> SpecEngine:
+    """Greedy ``policy`` with ``draft`` as an int8 draft on ``kernel`` (and ``EngineConfig``
+    ``settings``) decodes ``INT8_PROMPTS`` as ``ar`` does, with some draft tokens accepted;
+    returns the engine."""
     ref = SpecEngine(target, None, EngineConfig(policy="ar")).generate(INT8_PROMPTS, 24)
-    config = EngineConfig(policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel=kernel)
+    config = EngineConfig(
+        policy=policy, num_nodes=8, draft_depth=3, draft_topk=3, draft_int8=True, draft_int8_kernel=kernel, **settings
+    )
     engine = SpecEngine(target, draft, config)
     batch = engine.generate(INT8_PROMPTS, 24)
     assert [r.token_ids for r in batch.requests] == [r.token_ids for r in ref.requests]

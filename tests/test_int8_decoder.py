@@ -1,7 +1,8 @@
 """The int8 draft's fused decoder layers (``engine/int8_decoder.py``): the same forward as
 the layers they replace, on a cache with tree masks, positions and padding as the engine
-passes them; only the layers they compute are fused; and an engine drafting with them is
-lossless. The kernel tests skip on CPUs without the int8 kernels."""
+passes them; only the layers they compute are fused; and an engine drafting with them (and
+a head over part of the vocabulary) is lossless. The tests skip on CPUs without the int8
+kernels."""
 
 from __future__ import annotations
 
@@ -103,4 +104,5 @@ def test_drafting_with_fused_layers_is_lossless(kernel, policy):
     target, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
     fused = all_int8(draft, kernel)
     assert fuse_int8_layers(fused) == 2
-    assert assert_int8_draft_lossless(target, fused, policy, kernel).draft is fused
+    assert assert_int8_draft_lossless(target, fused, policy, kernel, draft_vocab=64).draft is fused
+
