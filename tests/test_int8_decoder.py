@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from sglang_graft.engine import tiny_models
-from sglang_graft.engine.draft_int8 import int8_draft
+from sglang_graft.engine.draft_int8 import int8_draft, reads_spans
 from sglang_graft.engine.int8_decoder import PROJECTIONS, FusedInt8Layer, fusable, fuse_int8_layers
 from sglang_graft.engine.int8_linear import Int8Linear
 
@@ -81,6 +81,16 @@ def test_fused_layers_compute_the_layers_they_replace(kernel, arch):
     fused.model.layers[0].layer.input_layernorm.weight.data.mul_(3.0)
     assert torch.equal(forward_twice(twin)[1], forward_twice(copy.deepcopy(twin))[1])
     assert not torch.equal(forward_twice(twin)[0], forward_twice(fused)[0])
+
+
+@EACH_INT8_KERNEL
+def test_int8_draft_fuses_a_bf16_draft_that_reads_its_own_prompts(kernel):
+    _, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64, dtype=torch.bfloat16)
+    if not reads_spans(draft):
+        pytest.skip("this CPU does not multiply bf16 natively, so the int8 draft keeps down_proj as loaded")
+    q = int8_draft(draft, kernel)
+    assert all(isinstance(layer, FusedInt8Layer) for layer in q.model.layers)
+    assert not any(isinstance(m, FusedInt8Layer) for m in draft.modules())  # the loaded draft is left alone
 
 
 @EACH_INT8_KERNEL

@@ -16,6 +16,7 @@ from sglang_graft.engine.models import weight_cost_ratio
 
 from helpers import EACH_INT8_KERNEL, assert_int8_draft_lossless
 
+
 def reference(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     """The kernel's arithmetic, with exact integer sums: each row of ``x`` quantized to int8
     with its own scale (``x * (127 / max|x|)`` rounded half to even, as AVX512 converts),
