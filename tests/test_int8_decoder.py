@@ -63,7 +63,7 @@ def forward_twice(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @EACH_INT8_KERNEL
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_fused_layers_compute_the_layers_they_replace(kernel, arch):
     _, draft = tiny_models(arch, vocab_size=120, seed=4, hidden=64, layers=3)
     plain = all_int8(draft, kernel)
@@ -95,23 +95,26 @@ def test_int8_draft_fuses_a_bf16_draft_that_reads_its_own_prompts(kernel):
 
 @EACH_INT8_KERNEL
 def test_only_layers_it_computes_are_fused(kernel):
-    _, qwen3 = tiny_models("qwen3", vocab_size=120, seed=4, hidden=64)
-    q3 = all_int8(qwen3, kernel)
-    assert not fusable(q3.model.layers[0])  # per-head q/k norms
-    assert fuse_int8_layers(q3) == 0
     _, qwen2 = tiny_models("qwen2", vocab_size=120, seed=4, hidden=64)
     partly = int8_draft(qwen2, kernel)  # float32: down_proj stays float32
     assert not isinstance(partly.model.layers[0].mlp.down_proj, Int8Linear)
     assert not any(isinstance(m, FusedInt8Layer) for m in partly.modules())
     with pytest.raises(ValueError, match="Qwen2DecoderLayer is not a fusable int8 decoder layer"):
         FusedInt8Layer(partly.model.layers[0])
+    _, qwen3 = tiny_models("qwen3", vocab_size=120, seed=4, hidden=64)
+    q3 = all_int8(qwen3, kernel)
+    q3.config.hidden_act = "gelu"  # the layers share the model's config
+    assert not fusable(q3.model.layers[0]) and fuse_int8_layers(q3) == 0
+    q3.config.hidden_act = "silu"
+    q3.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3  # its norms no longer share one epsilon
+    assert fusable(q3.model.layers[0]) and not fusable(q3.model.layers[1])
+    assert fuse_int8_layers(q3) == 1
     assert set(PROJECTIONS) == {"q", "k", "v", "o", "gate", "up", "down"}
 
-
 @EACH_INT8_KERNEL
-@pytest.mark.parametrize("policy", ["dense", "graft"])
-def test_drafting_with_fused_layers_is_lossless(kernel, policy):
-    target, draft = tiny_models("qwen2", vocab_size=120, seed=2, hidden=64)
+@pytest.mark.parametrize(("arch", "policy"), [("qwen2", "dense"), ("qwen2", "graft"), ("qwen3", "graft")])
+def test_drafting_with_fused_layers_is_lossless(kernel, arch, policy):
+    target, draft = tiny_models(arch, vocab_size=120, seed=2, hidden=64)
     fused = all_int8(draft, kernel)
     assert fuse_int8_layers(fused) == 2
     assert assert_int8_draft_lossless(target, fused, policy, kernel, draft_vocab=64).draft is fused

@@ -12,10 +12,10 @@ alike). The layer's outputs equal transformers' up to float rounding (RMSNorm an
 and exponentiate in their own order); the draft only proposes, so losslessness does not
 depend on it.
 
-``fuse_int8_layers`` swaps every Llama/Qwen2/Mistral decoder layer of an ``int8_draft``
-whose seven projections all run on one int8 kernel (``Int8Linear``) for a
-``FusedInt8Layer``. Other layers stay as they are: those with per-head q/k norms (Qwen3),
-activations other than SiLU, or projections on PyTorch's FBGEMM path.
+``fuse_int8_layers`` swaps every Llama/Qwen2/Qwen3/Mistral decoder layer of an
+``int8_draft`` whose seven projections all run on one int8 kernel (``Int8Linear``) for a
+``FusedInt8Layer``. Other layers stay as they are: other architectures, activations other
+than SiLU, or projections on PyTorch's FBGEMM path.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from sglang_graft.engine.int8_linear import Int8Linear, library, unavailable_reason
 
 #: Decoder layer classes whose forward ``FusedInt8Layer`` computes: pre-norm RMSNorm
-#: blocks, rotary embedding in rotate-half form, a SiLU-gated MLP.
-FUSABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
+#: blocks, rotary embedding in rotate-half form, a SiLU-gated MLP, and for Qwen3 per-head
+#: RMSNorms of q and k before the rotation.
+FUSABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 
 #: The struct's matrices, in ``csrc/int8_decoder.cpp``'s order, and where each sits in a layer.
 PROJECTIONS = {
@@ -61,6 +62,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, _Matrix) for name in PROJECTIONS] + [
         ("input_norm", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
         ("eps", ctypes.c_float),
         ("heads", ctypes.c_long),
         ("kv_heads", ctypes.c_long),
@@ -88,22 +91,27 @@ def _projections(layer: torch.nn.Module) -> dict[str, torch.nn.Module] | None:
 
 def fusable(layer: torch.nn.Module) -> bool:
     """Whether ``FusedInt8Layer`` computes ``layer``'s forward: a ``FUSABLE_LAYERS`` layer
-    with SiLU, no per-head q/k norms, float32 RMSNorms of one epsilon, and every projection
-    an ``Int8Linear`` on the same kernel."""
+    with SiLU, float32 RMSNorms (per-head q/k ones, where it has them) of one epsilon, and
+    every projection an ``Int8Linear`` on the same kernel."""
     projections = _projections(layer)
     if type(layer).__name__ not in FUSABLE_LAYERS or projections is None:
         return False
     if not all(isinstance(m, Int8Linear) for m in projections.values()):
         return False
-    attention, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
+    attention = layer.self_attn
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *_head_norms(attention)]
     return (
         len({m.kernel for m in projections.values()}) == 1
         and getattr(attention.config, "hidden_act", None) == "silu"
-        and not hasattr(attention, "q_norm")
         and attention.head_dim % 2 == 0
         and all(n.weight.dtype == torch.float32 for n in norms)
-        and norms[0].variance_epsilon == norms[1].variance_epsilon
+        and len({n.variance_epsilon for n in norms}) == 1
     )
+
+
+def _head_norms(attention: torch.nn.Module) -> list[torch.nn.Module]:
+    """Qwen3's per-head RMSNorms of q and k (none for other layers)."""
+    return [attention.q_norm, attention.k_norm] if hasattr(attention, "q_norm") else []
 
 
 class FusedInt8Layer(torch.nn.Module):
@@ -133,6 +141,7 @@ class FusedInt8Layer(torch.nn.Module):
                 **{name: _matrix(m) for name, m in projections.items()},
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                **{name: norm.weight.data_ptr() for name, norm in zip(("q_norm", "k_norm"), _head_norms(attention))},
                 eps=layer.input_layernorm.variance_epsilon,
                 heads=attention.config.num_attention_heads,
                 kv_heads=attention.config.num_key_value_heads,

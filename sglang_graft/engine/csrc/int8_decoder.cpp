@@ -1,14 +1,15 @@
-// The int8 draft's decoder layer (Llama / Qwen2 style) around its attention, in two calls.
+// The int8 draft's decoder layer (Llama, Qwen2, Qwen3) around its attention, in two calls.
 //
 // Why: the int8 matmuls are quick (int8_linear.cpp: the 0.5B draft's 168 take 8-10 ms for
 // 1-4 rows on a 2-core Zen 5 EPYC), yet one draft forward over one token took 16.7 ms:
 // transformers' layer runs ~25 PyTorch ops around them (RMSNorm in five, the rotary
 // embedding with two concatenations, residual adds, SiLU, the product with up, views),
 // each paying its dispatch and allocation, about 5 ms over 24 layers. Here a layer is two
-// calls: `graft_int8_layer_qkv` (input RMSNorm, q/k/v, rotary embedding, heads laid out as
-// attention takes them) and `graft_int8_layer_out` (o_proj, residual, post-attention
-// RMSNorm, gate and up, SiLU(gate) * up, down, residual). The KV cache and attention stay
-// in Python: the engine's cache compaction and attention kernel serve every model alike.
+// calls: `graft_int8_layer_qkv` (input RMSNorm, q/k/v, Qwen3's per-head q/k norms, the
+// rotary embedding, heads laid out as attention takes them) and `graft_int8_layer_out`
+// (o_proj, residual, post-attention RMSNorm, gate and up, SiLU(gate) * up, down, residual).
+// The KV cache and attention stay in Python: the engine's cache compaction and attention
+// kernel serve every model alike.
 //
 // Numerics: float32, as the int8 draft computes outside its matmuls; the matmuls are
 // graft_vnni_linear / graft_amx_linear, the calls Int8Linear makes, so they see the same
@@ -49,6 +50,8 @@ struct Int8DecoderLayer {
   Int8Matrix q, k, v, o, gate, up, down;
   const float* input_norm;
   const float* post_norm;
+  const float* q_norm;  // Qwen3's per-head RMSNorms of q and k (head_dim weights), or null
+  const float* k_norm;
   float eps;
   long heads, kv_heads, head_dim;
   int amx;
@@ -87,16 +90,22 @@ void rms_norm(const float* x, const float* w, float eps, float* y, long M, long 
 }
 
 // Token-major projections [batch * rows, heads * d] -> head-major [batch, heads, rows, d],
-// with the rotary embedding (transformers' rotate-half form) where cos is given.
-void to_heads(const float* src, const float* cos, const float* sin, float* dst, long batch, long rows, long heads,
-              long d) {
+// each head RMS-normed first where `norm` is given (Qwen3's q and k norms), with the rotary
+// embedding (transformers' rotate-half form) where cos is given.
+void to_heads(const float* src, const float* norm, float eps, const float* cos, const float* sin, float* dst,
+              long batch, long rows, long heads, long d) {
   const long half = d / 2;
+  std::vector<float> normed(norm ? d : 0);
   for (long b = 0; b < batch; ++b)
     for (long r = 0; r < rows; ++r) {
       const long token = b * rows + r;
       for (long h = 0; h < heads; ++h) {
         const float* in = src + (token * heads + h) * d;
         float* out = dst + ((b * heads + h) * rows + r) * d;
+        if (norm != nullptr) {
+          rms_norm(in, norm, eps, normed.data(), 1, d);
+          in = normed.data();
+        }
         if (cos == nullptr) {
           std::copy(in, in + d, out);
           continue;
@@ -137,7 +146,7 @@ void add_into(float* y, const float* x, long n) {
 
 extern "C" {
 
-// Input RMSNorm, q/k/v projections, rotary embedding on q and k, heads first.
+// Input RMSNorm, q/k/v projections, per-head q/k norms (Qwen3), rotary embedding on q and k, heads first.
 void graft_int8_layer_qkv(const Int8DecoderLayer* layer, const float* x, long batch, long rows, const float* cos,
                           const float* sin, float* q, float* k, float* v) {
   const long M = batch * rows;
@@ -146,11 +155,12 @@ void graft_int8_layer_qkv(const Int8DecoderLayer* layer, const float* x, long ba
   projected.resize(M * layer->q.out);
   rms_norm(x, layer->input_norm, layer->eps, normed.data(), M, layer->q.in);
   linear(*layer, layer->q, normed.data(), projected.data(), M);
-  to_heads(projected.data(), cos, sin, q, batch, rows, layer->heads, layer->head_dim);
+  const float eps = layer->eps;
+  to_heads(projected.data(), layer->q_norm, eps, cos, sin, q, batch, rows, layer->heads, layer->head_dim);
   linear(*layer, layer->k, normed.data(), projected.data(), M);
-  to_heads(projected.data(), cos, sin, k, batch, rows, layer->kv_heads, layer->head_dim);
+  to_heads(projected.data(), layer->k_norm, eps, cos, sin, k, batch, rows, layer->kv_heads, layer->head_dim);
   linear(*layer, layer->v, normed.data(), projected.data(), M);
-  to_heads(projected.data(), nullptr, nullptr, v, batch, rows, layer->kv_heads, layer->head_dim);
+  to_heads(projected.data(), nullptr, eps, nullptr, nullptr, v, batch, rows, layer->kv_heads, layer->head_dim);
 }
 
 // y = x + o_proj(attn), then y += down(SiLU(gate(n)) * up(n)) with n = post-attention RMSNorm of y.
