@@ -24,8 +24,10 @@ from sglang_graft.engine.cpu_linear import (
     _bf16_dot_library,
     _library,
     _warn_fallback,
+    build_library,
     cpu_flags,
     cpu_linear,
+    cxx_compiler,
     unavailable_reason,
     use_cpu_kernel,
     wants_cpu_kernel,
@@ -205,6 +207,19 @@ def test_a_failed_build_falls_back_under_auto_and_is_named_under_on(monkeypatch,
     finally:
         _library.cache_clear()
 
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="no C++ compiler (g++) here")
+def test_a_library_of_several_sources_is_rebuilt_when_any_of_them_changes(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLANG_GRAFT_CACHE", str(tmp_path / "cache"))
+    main, extra = tmp_path / "main.cpp", tmp_path / "extra.cpp"
+    main.write_text('extern "C" int f();\nextern "C" int g() { return f() + 1; }\n')
+    extra.write_text('extern "C" int f() { return 41; }\n')
+    flags = ("-O1", "-shared", "-fPIC")
+    assert build_library(main, flags, "test library", (extra,)).g() == 42
+    extra.write_text('extern "C" int f() { return 1; }\n')
+    assert build_library(main, flags, "test library", (extra,)).g() == 2
+    assert len(list((tmp_path / "cache" / "kernels").glob("main-*.so"))) == 2
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 11, 12, 13, 14, 15, 16, 11, 12], [3, 1, 4, 1, 5, 9, 2, 6], [42, 7]]
 
