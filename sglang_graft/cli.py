@@ -37,9 +37,11 @@ EXAMPLES_BENCH = """results:
                     to ar token for token), divergences ([{question_id, position, ar_top2_margin,
                     near_tie}])
   DIR/results.md    the same as tables;  DIR/pareto.png  speedup vs tau per policy
-example (the README's headline run, about 1.5 hours on 2 CPU threads):
+example (the README's headline run, about 13 minutes on a 2-core AMD EPYC Zen 5):
   sglang-graft bench --target TARGET --draft DRAFT --questions spec_bench_question.jsonl \\
-      --per-category 3 --max-new-tokens 128 --dtype bfloat16 --threads 2 --out bench-out"""
+      --per-category 3 --max-new-tokens 128 --dtype bfloat16 --threads 2 --num-nodes 12 \\
+      --draft-depth 4 --draft-topk 4 --draft-vocab 32768 --draft-int8 --verify-costs auto \\
+      --online-costs --out bench-out"""
 
 
 def _positive(kind: str):
@@ -104,7 +106,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="the draft model reads only the last N tokens of each prompt, which bounds its prefill "
                         "on very long prompts while the target and retrieval still read all of it; lossless, but "
                         "the draft loses what lies before the window (on Spec-Bench's 600-800-token summaries that "
-                        "cost more than the prefill saved, README) (default 0: the whole prompt)")
+                        "cost more than the prefill saved, docs/BENCHMARKS.md) (default 0: the whole prompt)")
     p.add_argument("--gates", choices=("online", "fixed"), default="online", help="confidence gates: online-calibrated or fixed ECHO thresholds (default online)")
     p.add_argument("--draft-cost-ratio", type=float, default=None,
                    help="draft forward time / target verify forward time (> 0). pruned and graft draft one "
@@ -140,7 +142,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="graft: the request's own context continues the paths of its K best draft nodes where "
                         "they match it for at least 4 tokens, so a copy the draft has begun runs deeper than the "
                         "draft went, at no draft forward; on CPU it made graft draft more on copy-heavy prompts "
-                        "than paid (README), so it is off by default (try 4)")
+                        "than paid (docs/BENCHMARKS.md), so it is off by default (try 4)")
     p.add_argument("--compile-core", action="store_true",
                    help="build each round's tree, and the online gates' estimate and verdict after each draft level, with "
                         "the AOTInductor-compiled core (sglang_graft.compiled): the same code in one native call "
@@ -264,7 +266,7 @@ def _resolve_verify_costs(args: argparse.Namespace, config, target):
         logging.getLogger("sglang_graft").warning(
             "--verify-costs auto without --draft-cost-ratio prices the draft by its weights' bytes, which "
             "underestimates a small draft (0.135 against a measured 0.24-0.26 for the int8 Qwen2.5-Coder 0.5B/1.5B "
-            "pair on a 2-core CPU, README 'Online costs'): add --online-costs to learn it"
+            "pair on a 2-core CPU, docs/BENCHMARKS.md, 'Online costs'): add --online-costs to learn it"
         )
     return dataclasses.replace(config, verify_costs=measure_verify_costs(target, config.num_nodes))
 

@@ -30,7 +30,7 @@ class EngineConfig:
         draft_topk: children per expanded draft node and nodes expanded per level (8: on
             the Intel CPUs measured a draft forward over 8 rows costs what one over 4 does,
             and the wider levels gave 2-3% more tokens per unit of model time; on an AMD
-            EPYC where 8 rows cost 18% more, 4 ran 8% faster: see README and
+            EPYC where 8 rows cost 18% more, 4 ran 8% faster: see docs/BENCHMARKS.md and
             ``scripts/bench_forward_cost.py``'s draft column).
         draft_vocab: the draft's LM head computes only the rows of the ``draft_vocab``
             lowest token ids and of the batch's prompt tokens (``engine.draft_head``): a
@@ -62,7 +62,7 @@ class EngineConfig:
             context continues where they match it (``SchedulerConfig.continue_drafts``).
             0 (off) by default: on 18 Spec-Bench questions on a CPU, 4 made drafted rounds
             look better to the draft-or-retrieve gate, which then drafted more on
-            copy-heavy prompts than the extra tokens paid for (README).
+            copy-heavy prompts than the extra tokens paid for (docs/BENCHMARKS.md).
         draft_read_cost: ``graft``: draft forwards one unread prompt token adds, which the
             draft-or-retrieve gate charges before a cold request's first draft (its
             prefill); None: ``INT8_DRAFT_READ_COST`` with ``draft_int8``, else

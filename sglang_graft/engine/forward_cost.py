@@ -1,11 +1,11 @@
 """What a target forward over a few new tokens costs on this host, for ``--verify-costs``.
 
 A verify over ``n`` tokens costs what a one-token step does on a GPU and on some CPUs, and
-up to 1.3x more for 16 tokens on others (README, "Reference engine on real models"); the
-cost-aware verify width (``sglang_graft.cost.VerifyCost``) needs that curve. It is timed
-on the loaded model, round-robin over the token counts so that a host whose speed drifts
-slows them all alike; ``scripts/bench_forward_cost.py`` prints the same table for both
-models.
+up to 1.3x more for 16 tokens on others (docs/BENCHMARKS.md, "Reference engine on real
+models"); the cost-aware verify width (``sglang_graft.cost.VerifyCost``) needs that curve.
+It is timed on the loaded model, round-robin over the token counts so that a host whose
+speed drifts slows them all alike; ``scripts/bench_forward_cost.py`` prints the same table
+for both models.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the recorded output says what the target accepts, and the recycling table is fed
 recorded top-k along the accepted path (the engine also feeds it the rejected nodes' top-k,
 which a recording cannot know, so the replay slightly undersells recycling). A round costs
 what the host's verify-cost curve says its width costs. Retrieval settings then compare in
-seconds instead of a benchmark's minutes (README, "Context matches from one token").
+seconds instead of a benchmark's minutes (docs/BENCHMARKS.md, "Context matches from one token").
 
 Prompt lookup (transformers' rule: the earliest earlier occurrence of the last two tokens,
 else of the last one, and up to ``tokens`` tokens that followed it, cut before a stop
