@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ EXAMPLES_BENCH = """results:
                     to ar token for token), divergences ([{question_id, position, ar_top2_margin,
                     near_tie}])
   DIR/results.md    the same as tables;  DIR/pareto.png  speedup vs tau per policy
+  results.json and results.md are rewritten after every prompt: a run stopped with Ctrl-C
+  (exit code 130) keeps the prompts every method finished, marked partial (meta.complete)
 example (the README's headline run, about 13 minutes on a 2-core AMD EPYC Zen 5):
   sglang-graft bench --target TARGET --draft DRAFT --questions spec_bench_question.jsonl \\
       --per-category 3 --max-new-tokens 128 --dtype bfloat16 --threads 2 --num-nodes 12 \\
@@ -359,7 +362,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sglang_graft.engine.bench import TIE_MARGINS, BenchSettings, bench_meta, run_bench, summarise
+    from sglang_graft.engine.bench import TIE_MARGINS, BenchRun, BenchSettings, bench_meta, run_bench, summarise
     from sglang_graft.engine.prompts import load_questions
     from sglang_graft.engine.report import write_results
     from transformers.utils import logging as hf_logging
@@ -376,11 +379,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     pair, dtype = _setup(args, needs_draft)
     settings = dataclasses.replace(settings, engine=_resolve_verify_costs(args, engine_config, pair.target))
     start = time.perf_counter()
-    run = run_bench(pair, questions, settings, chat=not args.no_chat_template, progress=True)
-    results = summarise(run, bench_meta(pair, settings, args.questions, dtype))
-    results["meta"]["categories"] = list(dict.fromkeys(q.category for q in questions))
-    results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
-    paths = write_results(results, args.out)
+    meta = bench_meta(pair, settings, args.questions, dtype)
+    meta["categories"] = list(dict.fromkeys(q.category for q in questions))
+    done = [0]
+
+    def write(run: BenchRun, plot: bool) -> list[str]:
+        # Rewritten after every prompt, so an interrupted run keeps what it measured.
+        done[0] = run.prompts_done
+        progress = {"prompts_done": run.prompts_done, "prompts": len(questions)}
+        progress["complete"] = run.prompts_done == len(questions)
+        progress["wall_s"] = round(time.perf_counter() - start, 1)
+        return write_results(summarise(run, {**meta, **progress}), args.out, plot=plot)
+
+    try:
+        run = run_bench(pair, questions, settings, not args.no_chat_template, True, lambda r: write(r, False))
+    except KeyboardInterrupt:
+        kept = (f"{os.path.join(args.out, 'results.json')} and results.md hold the {done[0]} of {len(questions)} "
+                "prompts every method finished (marked partial)") if done[0] else "no prompt was finished, nothing written"
+        print(f"\nsglang-graft bench: interrupted; {kept}", file=sys.stderr)
+        return 130
+    paths = write(run, True)
     with open(paths[1], encoding="utf-8") as f:
         print(f.read())
     print("wrote " + ", ".join(paths))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -150,6 +151,7 @@ def test_bench_writes_results(tmp_path, capsys):
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["policies"]) == set(policies.split(","))
+    assert (results["meta"]["prompts_done"], results["meta"]["prompts"], results["meta"]["complete"]) == (2, 2, True)
     for name, p in results["policies"].items():
         assert set(p["categories"]) == {"mt_bench", "rag"}
         o = p["overall"]
@@ -170,7 +172,7 @@ def test_bench_writes_results(tmp_path, capsys):
     assert results["policies"]["hf-pld"]["overall"]["modelled_speedup"] is None
     md = (out / "results.md").read_text()
     assert "| graft |" in md and "Modelled speedup" in md and "every round verifies all n;" in md
-    assert "learned online" not in md
+    assert "learned online" not in md and "Partial" not in md
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -194,3 +196,45 @@ def test_bench_rejects_unknown_policy_before_loading(tmp_path, capsys):
     rc = main(["bench", "--target", "/nowhere", "--questions", str(q), "--policies", "ar,eagle9", "--out", str(tmp_path)])
     assert rc == 2
     assert "unknown policies ['eagle9']" in capsys.readouterr().err
+
+
+def test_bench_interrupted_keeps_the_finished_prompts(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second prompt: the first prompt's results stay on disk, marked partial."""
+    from sglang_graft.engine import bench
+
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [t]}
+            for i, (c, t) in enumerate([("writing", "Write a poem."), ("coding", "def add(a, b):")])]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = bench._Method.run
+    calls = []
+
+    def interrupt_at_the_second_prompt(self, prompt, max_new_tokens):
+        calls.append(self.name)
+        if len(calls) == 2 + 2 + 1:  # warm-up of both methods, prompt 1, then prompt 2's first run
+            raise KeyboardInterrupt
+        return run(self, prompt, max_new_tokens)
+
+    monkeypatch.setattr(bench._Method, "run", interrupt_at_the_second_prompt)
+    out = tmp_path / "out"
+    argv = ["bench", *TINY, "--questions", str(questions), "--policies", "ar,graft", "--max-new-tokens", "6",
+            "--out", str(out)]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "1 of 2 prompts" in err
+    results = json.loads((out / "results.json").read_text())
+    meta = results["meta"]
+    assert (meta["prompts_done"], meta["prompts"], meta["complete"]) == (1, 2, False)
+    for p in results["policies"].values():
+        assert p["overall"]["prompts"] == 1
+    assert results["policies"]["graft"]["overall"]["identical_to_ar"] == 1.0
+    assert "**Partial results**: 1 of 2 prompts" in (out / "results.md").read_text()
+    assert not (out / "pareto.png").exists()
+    assert sorted(os.listdir(out)) == ["results.json", "results.md"]  # no temporary files left
+
+    # Interrupted before any prompt finished: nothing is written, and the message says so.
+    calls.clear()
+    monkeypatch.setattr(bench._Method, "run", lambda self, p, n: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main([*argv[:-1], str(tmp_path / "none")]) == 130
+    assert "nothing written" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

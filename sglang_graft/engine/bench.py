@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +70,8 @@ class BenchRun:
     settings: BenchSettings
     records: dict[str, list[Record]] = field(default_factory=dict)
     retrieval_stats: dict[str, object] = field(default_factory=dict)
-    learned_costs: dict[str, str] = field(default_factory=dict)  # ``online_costs``: the meter's flags at the end
+    learned_costs: dict[str, str] = field(default_factory=dict)  # ``online_costs``: the meter's flags so far
+    prompts_done: int = 0  # prompts every method has finished
 
 
 class _Method:
@@ -100,8 +101,14 @@ def run_bench(
     settings: BenchSettings,
     chat: bool = True,
     progress: bool = True,
+    after_prompt: Callable[[BenchRun], None] | None = None,
 ) -> BenchRun:
-    """Run every method on every question (first turn), interleaved per prompt."""
+    """Run every method on every question (first turn), interleaved per prompt.
+
+    ``after_prompt`` sees the run each time every method has finished a prompt (between
+    timed runs), so a caller can keep the results so far on disk: an interrupted or
+    crashed run then loses at most the prompt it was on.
+    """
     prompts = [encode_prompt(pair.tokenizer, q.text, chat) for q in questions]
     # With --draft-int8 our policies share one quantized draft; transformers' baselines keep
     # the loaded one (they are what a user would run today).
@@ -117,20 +124,22 @@ def run_bench(
         m.run(prompts[0], min(8, settings.max_new_tokens))
     methods = [method(m) for m in settings.methods]
     run = BenchRun(settings, {m.name: [] for m in methods})
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)
-    for i, (q, p) in enumerate(zip(questions, prompts)):
-        order = methods[i % len(methods) :] + methods[: i % len(methods)]
-        for m in order:
-            bar.set_postfix_str(f"{q.category}/{q.question_id} {m.name}")
-            out, seconds = m.run(p, settings.max_new_tokens)
-            run.records[m.name].append(Record(q, out, seconds))
-            bar.update(1)
-    bar.close()
-    for m in methods:
-        if m.engine is not None and m.engine.retriever is not None:
-            run.retrieval_stats[m.name] = m.engine.retriever.stats()
-        if m.engine is not None and m.engine.meter is not None:
-            run.learned_costs[m.name] = m.engine.meter.flags()
+    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress) as bar:
+        for i, (q, p) in enumerate(zip(questions, prompts)):
+            order = methods[i % len(methods) :] + methods[: i % len(methods)]
+            for m in order:
+                bar.set_postfix_str(f"{q.category}/{q.question_id} {m.name}")
+                out, seconds = m.run(p, settings.max_new_tokens)
+                run.records[m.name].append(Record(q, out, seconds))
+                bar.update(1)
+            run.prompts_done = i + 1
+            for m in methods:
+                if m.engine is not None and m.engine.retriever is not None:
+                    run.retrieval_stats[m.name] = m.engine.retriever.stats()
+                if m.engine is not None and m.engine.meter is not None:
+                    run.learned_costs[m.name] = m.engine.meter.flags()
+            if after_prompt is not None:
+                after_prompt(run)
     return run
 
 

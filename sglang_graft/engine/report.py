@@ -8,17 +8,25 @@ import os
 from sglang_graft.engine.outputs import PROPOSAL_SOURCES
 
 
-def write_results(results: dict[str, object], out_dir: str) -> list[str]:
-    """Write the three files into ``out_dir`` (created if needed); returns their paths."""
+def write_results(results: dict[str, object], out_dir: str, plot: bool = True) -> list[str]:
+    """Write ``results.json``, ``results.md`` and (``plot``) ``pareto.png`` into ``out_dir``
+    (created if needed); returns their paths. Each file is written whole and then renamed
+    into place, so a reader, or a run killed mid-write, never leaves a half-written one."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, name) for name in ("results.json", "results.md", "pareto.png")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-        f.write("\n")
-    with open(paths[1], "w", encoding="utf-8") as f:
-        f.write(markdown(results))
-    pareto_plot(results, paths[2])
+    _replace(paths[0], json.dumps(results, indent=2) + "\n")
+    _replace(paths[1], markdown(results))
+    if not plot:
+        return paths[:2]
+    pareto_plot(results, paths[2] + ".tmp.png")
+    os.replace(paths[2] + ".tmp.png", paths[2])
     return paths
+
+
+def _replace(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def _sources(share: dict[str, float]) -> str:
@@ -54,6 +62,7 @@ def markdown(results: dict) -> str:
         f"gates {meta['gates']}; {_costs(meta)}; "
         f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
         "",
+        *_partial(meta),
         "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | modelled speedup | identical to ar | accepted by source |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -83,6 +92,17 @@ def markdown(results: dict) -> str:
         lines += ["", "Costs learned online by the end of the run (the flags that would price rounds alike):", ""]
         lines += [f"- {name}: `{flags}`" for name, flags in results["learned_costs"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _partial(meta: dict) -> list[str]:
+    """A warning line for results written before the run finished every prompt."""
+    if meta.get("complete", True):
+        return []
+    return [
+        f"**Partial results**: {meta['prompts_done']} of {meta['prompts']} prompts, the ones every method "
+        "finished before the run stopped (or so far, while it runs).",
+        "",
+    ]
 
 
 def _costs(meta: dict) -> str:
