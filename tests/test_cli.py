@@ -68,6 +68,7 @@ def test_generate_batch_from_file(tmp_path, capsys):
         (["--policy", "dense", "--draft", "/no/such/dir"], "--draft '/no/such/dir': not a directory"),
         (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
         (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--max-new-tokens", "5000"], "positions of the target model, whose context window is 4096"),
     ],
 )
 def test_generate_errors(argv, message, capsys):
@@ -188,6 +189,20 @@ def test_bench_questions_by_category(tmp_path):
         load_questions(str(q), categories=["qa", "rag"])
     with pytest.raises(ValueError, match="names no category"):
         load_questions(str(q), categories=[])
+
+
+def test_bench_checks_every_prompt_fits_before_the_first_run(tmp_path, capsys, monkeypatch):
+    from sglang_graft.engine import bench
+
+    monkeypatch.setattr(bench._Method, "run", lambda *a: pytest.fail("a method ran before the prompts were checked"))
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [t]}) + "\n"
+                         for i, t in enumerate(["hi", "x" * 300])))
+    rc = main(["bench", *TINY, "--questions", str(q), "--policies", "ar,graft", "--per-category", "2",
+               "--max-new-tokens", "3900", "--out", str(tmp_path / "out")])
+    assert rc == 2
+    assert "prompt 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_rejects_unknown_policy_before_loading(tmp_path, capsys):

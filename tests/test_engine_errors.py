@@ -81,3 +81,29 @@ def test_prompt_and_policy_errors_before_decoding():
     finally:
         handle.remove()
     assert not calls, "the target ran before the inputs were checked"
+
+
+def test_requests_past_a_models_context_window_are_refused_before_decoding():
+    target, draft = tiny_models("llama", vocab_size=64, hidden=16, layers=1)
+    target.config.max_position_embeddings = 32
+    draft.config.max_position_embeddings = 16
+    calls = []
+    handle = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        ar = SpecEngine(target, draft, EngineConfig(policy="ar"))  # plain decoding never runs the draft
+        with pytest.raises(ValueError, match=r"prompt 0 \(10 tokens\) with max_new_tokens 23 needs 33 positions of "
+                                             r"the target model, whose context window is 32 .*at most 22"):
+            ar.generate([[1] * 10], 23)
+        with pytest.raises(ValueError, match=r"prompt 1 \(40 tokens\).*shorten it below 32 tokens"):
+            ar.generate([[1] * 4, [1] * 40], 1)
+        dense = SpecEngine(target, draft, EngineConfig(policy="dense"))
+        with pytest.raises(ValueError, match=r"needs 22 positions of the draft model, whose context window is 16 "
+                                             r"\(max_position_embeddings\): lower max_new_tokens to at most 6"):
+            dense.generate([[1] * 10], 12)
+    finally:
+        handle.remove()
+    assert not calls, "the target ran before the request was checked"
+    # The draft reads only the prompt's last ``draft_window`` tokens, so those are what must fit.
+    windowed = SpecEngine(target, draft, EngineConfig(policy="dense", draft_window=4))
+    assert len(windowed.generate([[1] * 10], 12).requests[0].token_ids) == 12
+    assert len(ar.generate([[1] * 10], 22).requests[0].token_ids) == 22

@@ -120,6 +120,9 @@ def run_bench(
         return _Method(name, pair if name in BASELINES else ours, settings)
 
     warm = [method(m) for m in settings.methods]
+    for m in warm:  # every prompt fits every engine's models, before the first run
+        if m.engine is not None:
+            m.engine.check_prompts(prompts, settings.max_new_tokens)
     for m in warm:
         m.run(prompts[0], min(8, settings.max_new_tokens))
     methods = [method(m) for m in settings.methods]

@@ -111,7 +111,8 @@ class SpecEngine:
         self._rid_counter = itertools.count()
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        """Raise ``ValueError`` on an empty batch, an empty prompt or an id outside the vocabulary."""
+        """Raise ``ValueError`` on an empty batch, an empty prompt, an id outside the
+        vocabulary, or a request longer than a model's context window."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not prompts:
@@ -123,6 +124,25 @@ class SpecEngine:
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"prompt {i} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+            self._check_context(i, len(p), max_new_tokens)
+
+    def _check_context(self, i: int, length: int, max_new_tokens: int) -> None:
+        """A request must fit the positions each model was trained for: past them a rotary
+        model keeps going but computes what it never learned, silently."""
+        reads = [("target", self.target, length)]
+        if self.draft is not None and self.config.uses_draft:
+            window = self.config.draft_window  # the draft reads only the prompt's last ``window`` tokens
+            reads.append(("draft", self.draft, min(length, window) if window else length))
+        for name, model, read in reads:
+            limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+            if limit and read + max_new_tokens > limit:
+                room = limit - read
+                fix = f"lower max_new_tokens to at most {room}" if room >= 1 else f"shorten it below {limit} tokens"
+                raise ValueError(
+                    f"prompt {i} ({length} tokens) with max_new_tokens {max_new_tokens} needs "
+                    f"{read + max_new_tokens} positions of the {name} model, whose context window is {limit} "
+                    f"(max_position_embeddings): {fix}"
+                )
 
     @torch.inference_mode()
     def generate(
