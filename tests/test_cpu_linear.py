@@ -8,6 +8,7 @@ without it; the AVX2 path's bf16 tests run everywhere (the faster path switched 
 
 from __future__ import annotations
 
+import copy as copy_module
 import logging
 
 import pytest
@@ -28,6 +29,8 @@ from sglang_graft.engine.cpu_linear import (
     cpu_flags,
     cpu_linear,
     cxx_compiler,
+    pack_panels,
+    panel_linear,
     unavailable_reason,
     use_cpu_kernel,
     wants_cpu_kernel,
@@ -108,6 +111,46 @@ def test_bf16_paths_match_float64_and_are_batch_invariant(bf16_path, m, k):
         assert torch.equal(cpu_linear(x[i : i + 1], w, bias)[0], out[i])
     order = torch.randperm(m, generator=gen)
     assert torch.equal(cpu_linear(x[order], w, bias), out[order])
+
+
+@pytest.mark.parametrize("m", [1, 2, 11, 12, 13, 24, 25, 100])  # register blocks of 1 to 12 rows, several blocks
+@pytest.mark.parametrize("n,k", [(45, 29), (64, 1543), (32, 2)])  # a padded last panel, an odd K; full panels
+def test_panel_path_matches_float64_and_is_batch_invariant(m, n, k):
+    _require_bf16_dot()
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = pack_panels(w)
+    out = panel_linear(x, packed, n, bias)
+    ref = x.double() @ w.double().t() + bias.double()
+    assert bool(((out.double() - ref).abs() <= _error_bound(x, w, bias, ref, torch.bfloat16)).all())
+    for i in range(m):  # a decode step's row, a verify's and a prefill chunk's agree bit for bit
+        assert torch.equal(panel_linear(x[i : i + 1], packed, n, bias)[0], out[i])
+    order = torch.randperm(m, generator=gen)
+    assert torch.equal(panel_linear(x[order], packed, n, None), panel_linear(x, packed, n, None)[order])
+
+
+def test_bf16_layers_run_on_panels_packed_again_when_the_weight_changes():
+    _require_bf16_dot()
+    gen = torch.Generator().manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 70)).bfloat16()
+    use_cpu_kernel(model)
+    layer = model[0]
+    packed = layer.panels()
+    assert packed is not None and layer.panels() is packed  # packed at load, once
+    x = torch.randn(3, 40, generator=gen).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(layer(x), panel_linear(x, packed, 70, layer.bias))
+        layer.weight.copy_(torch.randn(70, 40, generator=gen))  # loaded into: the panels are stale
+        assert torch.equal(layer(x), panel_linear(x, pack_panels(layer.weight), 70, layer.bias))
+    copy = copy_module.deepcopy(layer)
+    assert copy._packed is None  # a copy packs its own weight when it first needs to
+    with torch.inference_mode():
+        copy.weight.mul_(2)
+        assert torch.equal(layer(x), panel_linear(x, pack_panels(layer.weight), 70, layer.bias))
+        assert torch.equal(copy(x), panel_linear(x, pack_panels(copy.weight), 70, copy.bias))
+    assert layer.float()._packed is None and layer.panels() is None  # cast: panels dropped; float32 takes cpu_linear
 
 
 def test_bf16_dot_path_leaves_long_calls_to_pytorch():

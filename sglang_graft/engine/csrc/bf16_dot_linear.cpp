@@ -1,4 +1,7 @@
-// y = x @ w^T + b for bf16 activations and weights on CPUs with AVX512-BF16 but no AMX.
+// y = x @ w^T + b for bf16 activations and weights on CPUs with AVX512-BF16 but no AMX,
+// reading the weights as loaded. A model's layers run on their weights repacked into panels
+// instead (bf16_panel_linear.cpp, faster at every row count); this kernel serves the calls
+// on weights that are not repacked (cpu_linear).
 //
 // Why: on such CPUs (AMD Zen 4 and 5, Intel Cooper Lake) PyTorch's bf16 linear is slow for
 // one row (a one-token decode step of a 1.5B model cost more than a two-token verify on a
