@@ -121,7 +121,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-read-cost", type=float, default=None, metavar="F",
                    help="graft: draft forwards one unread prompt token adds to the draft's next forward (>= 0), "
                         "which it weighs before prefilling the draft on a request's prompt that retrieval might "
-                        "copy instead (default: 0.045 with --draft-int8, else 0.015; "
+                        "copy instead (default: 0.072 with --draft-int8, else 0.015; "
                         "scripts/bench_forward_cost.py measures it)")
     p.add_argument("--verify-costs", type=_verify_costs, default=None, metavar="T:C,...|auto",
                    help="what a target forward over T tokens costs on this host, e.g. '1:1,8:1.15,16:1.33' "

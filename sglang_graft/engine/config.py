@@ -9,11 +9,13 @@ from sglang_graft.engine.draft_int8 import INT8_KERNELS
 from sglang_graft.prune import GateConfig
 from sglang_graft.scheduler import POLICIES, SchedulerConfig
 
-#: Draft forwards one unread prompt token adds for an int8 draft (``draft_int8``): the
-#: 0.5B int8 draft on a 2-core AMD EPYC took 25 ms for 1 token and 0.30 / 0.83 / 1.72 s for
-#: 300 / 700 / 1200 (0.037-0.057 per token); its prefill gains less from int8 than its
-#: one-token forward does.
-INT8_DRAFT_READ_COST = 0.045
+#: Draft forwards one unread prompt token adds for an int8 draft (``draft_int8``): on a
+#: 2-core Zen 5 EPYC (``scripts/bench_forward_cost.py --draft-int8 --draft-vocab 32768``,
+#: 2026-12-07) the 0.5B draft's bf16 reader took 641 ms over 512 prompt tokens, its int8
+#: copy 11-17 ms for a 1-8-token level, so 0.072 a token; charging that instead of the
+#: 0.045 measured before the int8 draft's fused layers made graft 2.9% faster over 18
+#: Spec-Bench questions (interleaved, 1.540x against 1.497x over ``ar``).
+INT8_DRAFT_READ_COST = 0.072
 
 #: ``ar`` is plain decoding (one token per target forward); the rest are scheduler policies.
 ENGINE_POLICIES: tuple[str, ...] = ("ar", *POLICIES)
@@ -69,7 +71,8 @@ class EngineConfig:
             ``sglang_graft.cost.DEFAULT_READ_COST`` (``scripts/bench_forward_cost.py``
             measures it). Too low a value prefills the draft on long prompts that retrieval
             alone would copy (6 summarization and RAG questions: 4.9% fewer tokens/s at 0.015
-            than at 0.045 with the int8 draft).
+            than at 0.045 with the int8 draft; 18 questions: 2.9% fewer at 0.045 than at 0.072,
+            the value measured once the int8 draft's layers were fused).
         compile_core: build trees with the AOTInductor-compiled core (``sglang_graft.compiled``).
         verify_costs: ``(tokens, cost)`` points of a target forward's cost on this host, as
             ``scripts/bench_forward_cost.py`` prints them: every policy but ``dense`` then
