@@ -151,6 +151,10 @@ def test_bf16_layers_run_on_panels_packed_again_when_the_weight_changes():
         assert torch.equal(layer(x), panel_linear(x, pack_panels(layer.weight), 70, layer.bias))
         assert torch.equal(copy(x), panel_linear(x, pack_panels(copy.weight), 70, copy.bias))
     assert layer.float()._packed is None and layer.panels() is None  # cast: panels dropped; float32 takes cpu_linear
+    with torch.inference_mode():  # a model built under inference mode (no version counters) packs too
+        made_there = torch.nn.Sequential(torch.nn.Linear(40, 70)).bfloat16()
+        use_cpu_kernel(made_there)
+        assert torch.equal(made_there(x), panel_linear(x, pack_panels(made_there[0].weight), 70, made_there[0].bias))
 
 
 def test_bf16_dot_path_leaves_long_calls_to_pytorch():

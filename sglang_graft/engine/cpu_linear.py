@@ -353,7 +353,10 @@ class KernelLinear(torch.nn.Linear):
         w = self.weight
         if w.dtype != torch.bfloat16 or w.device.type != "cpu" or _bf16_dot_library() is None:
             return None
-        source = (w.data_ptr(), w._version)
+        # Inference tensors (made under torch.inference_mode) have no version counter: their
+        # data pointer alone names them, so an in-place write to one goes unnoticed (load
+        # weights before ``use_cpu_kernel``).
+        source = (w.data_ptr(), -1 if w.is_inference() else w._version)
         if self._packed_from != source:
             self._packed, self._packed_from = pack_panels(w), source
         return self._packed
