@@ -392,7 +392,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return write_results(summarise(run, {**meta, **progress}), args.out, plot=plot)
 
     try:
-        run = run_bench(pair, questions, settings, not args.no_chat_template, True, lambda r: write(r, False))
+        run = run_bench(
+            pair, questions, settings, chat=not args.no_chat_template, after_prompt=lambda r: write(r, False)
+        )
     except KeyboardInterrupt:
         kept = (f"{os.path.join(args.out, 'results.json')} and results.md hold the {done[0]} of {len(questions)} "
                 "prompts every method finished (marked partial)") if done[0] else "no prompt was finished, nothing written"

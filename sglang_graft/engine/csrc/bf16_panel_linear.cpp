@@ -29,7 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
+#include <vector>
 
 #include "linear_common.h"
 
@@ -123,15 +123,19 @@ void graft_bf16_pack_panels(const void* w, void* wp, long N, long K) {
 void graft_bf16_panel_linear(const void* x, const void* wp, const void* bias, void* y, long M, long N, long K) {
   const long pairs = (K + 1) / 2, panels = (N + kPanel - 1) / kPanel, blocks = (M + kRows - 1) / kRows;
   const bf16* xs = static_cast<const bf16*>(x);
-  std::unique_ptr<int32_t[]> xp(new int32_t[blocks * kRows * pairs]);
-  for (long b = 0; b < blocks; ++b) pack_rows(xs + b * kRows * K, std::min(kRows, M - b * kRows), K, xp.get() + b * kRows * pairs);
+  // Kept between calls (it only grows, to the longest prefill chunk's rows), so no call pays
+  // for fresh pages; named here, on the calling thread, not inside the parallel region.
+  static thread_local std::vector<int32_t> packed_rows;
+  packed_rows.resize(std::max<size_t>(packed_rows.size(), blocks * kRows * pairs));
+  int32_t* xp = packed_rows.data();
+  for (long b = 0; b < blocks; ++b) pack_rows(xs + b * kRows * K, std::min(kRows, M - b * kRows), K, xp + b * kRows * pairs);
   const bf16* w = static_cast<const bf16*>(wp);
   const bf16* bs = static_cast<const bf16*>(bias);
   bf16* ys = static_cast<bf16*>(y);
 #pragma omp parallel for schedule(static)
   for (long q = 0; q < panels; ++q)
     for (long b = 0; b < blocks; ++b)
-      panel_rows<kRows>(std::min(kRows, M - b * kRows), xp.get() + b * kRows * pairs, w + q * pairs * 2 * kPanel, bs,
+      panel_rows<kRows>(std::min(kRows, M - b * kRows), xp + b * kRows * pairs, w + q * pairs * 2 * kPanel, bs,
                         ys + b * kRows * N, N, pairs, q);
 }
 }
