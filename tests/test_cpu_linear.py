@@ -157,6 +157,26 @@ def test_bf16_layers_run_on_panels_packed_again_when_the_weight_changes():
         assert torch.equal(made_there(x), panel_linear(x, pack_panels(made_there[0].weight), 70, made_there[0].bias))
 
 
+def test_panels_that_would_not_fit_in_memory_are_not_made(monkeypatch, caplog):
+    _require_bf16_dot()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    need = sum(_bf16_dot_library().graft_bf16_panel_bytes(n, k) for n, k in ((96, 64), (64, 96)))
+    monkeypatch.setattr(cpu_linear_module, "available_memory", lambda: need)  # panels may take half of it
+    with caplog.at_level(logging.INFO, logger="sglang_graft"):
+        assert use_cpu_kernel(model) == 2
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "stay on their weights as loaded" in said and "more than 50% of the" in said
+    assert all(layer.panels() is None and layer._packed is None for layer in model)
+    with torch.inference_mode():
+        expected = cpu_linear(cpu_linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+        assert torch.equal(model(x), expected)  # the row-major kernel, still batch-invariant
+    roomy = torch.nn.Sequential(torch.nn.Linear(64, 96)).bfloat16()
+    monkeypatch.setattr(cpu_linear_module, "available_memory", lambda: 2 * need)
+    use_cpu_kernel(roomy)
+    assert roomy[0]._packed is not None
+
+
 def test_bf16_dot_path_leaves_long_calls_to_pytorch():
     _require_bf16_dot()
     gen = torch.Generator().manual_seed(5)

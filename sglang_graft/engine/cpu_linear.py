@@ -345,13 +345,14 @@ class KernelLinear(torch.nn.Linear):
     back to ``F.linear``.
     """
 
+    use_panels = True  # False: bf16 calls run on the weight as loaded (``use_cpu_kernel`` when memory is short)
     _packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] | None = None  # the packed weight's (data pointer, version)
 
     def panels(self) -> torch.Tensor | None:
         """The weight in panels (packed now if it changed since), or None where they do not apply."""
         w = self.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or _bf16_dot_library() is None:
+        if not self.use_panels or w.dtype != torch.bfloat16 or w.device.type != "cpu" or _bf16_dot_library() is None:
             return None
         # Inference tensors (made under torch.inference_mode) have no version counter: their
         # data pointer alone names them, so an in-place write to one goes unnoticed (load
@@ -382,20 +383,51 @@ class KernelLinear(torch.nn.Linear):
         return cpu_linear(x, self.weight, self.bias)
 
 
+#: Share of the host's available memory the panels may take; past it a model's layers keep
+#: running on their weights as loaded, so packing never pushes the host into swap.
+PANEL_MEMORY_SHARE = 0.5
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the host can still give (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def use_cpu_kernel(model: torch.nn.Module) -> int:
     """Run every plain ``nn.Linear`` of ``model`` (bf16 or float32) through the kernel, in
     place; returns how many layers now do. The library is built and loaded here, and bf16
-    layers are packed into panels where the CPU has AVX512-BF16 (logged with the memory it
-    takes), so a problem shows, and the packing is paid, before any decoding."""
+    layers are packed into panels where the CPU has AVX512-BF16 and the panels fit in
+    ``PANEL_MEMORY_SHARE`` of the available memory (logged either way), so a problem shows,
+    and the packing is paid, before any decoding."""
     _library()
-    swapped, packed_bytes = 0, 0
+    layers = []
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.Linear and module.weight.dtype in _WEIGHT_DTYPES and module.weight.is_contiguous():
-            layer = share_linear(KernelLinear, module)
-            replace_module(model, name, layer)
-            swapped += 1
-            packed = layer.panels()
-            packed_bytes += 0 if packed is None else packed.numel() * packed.element_size()
-    if packed_bytes:
-        log.info("packed %s's bf16 linear layers into panels (%.2f GB beside the weights)", type(model).__name__, packed_bytes / 1e9)
-    return swapped
+            layers.append(share_linear(KernelLinear, module))
+            replace_module(model, name, layers[-1])
+    packable = [layer for layer in layers if layer.weight.dtype == torch.bfloat16 and _bf16_dot_library() is not None]
+    if packable:
+        lib = _bf16_dot_library()
+        need = sum(lib.graft_bf16_panel_bytes(layer.out_features, layer.in_features) for layer in packable)
+        free = available_memory()
+        what = f"{type(model).__name__}'s bf16 linear layers"
+        if free is not None and need > PANEL_MEMORY_SHARE * free:
+            for layer in packable:
+                layer.use_panels = False
+            log.warning(
+                "%s stay on their weights as loaded (slower): their panels would take %.2f GB, more than %.0f%% "
+                "of the %.2f GB available",
+                what, need / 1e9, 100 * PANEL_MEMORY_SHARE, free / 1e9,
+            )
+        else:
+            for layer in packable:
+                layer.panels()
+            log.info("packed %s into panels (%.2f GB beside the weights)", what, need / 1e9)
+    return len(layers)
