@@ -34,7 +34,12 @@ drafted level feeds the ``--draft-topk`` nodes it expands, not one token: on a 2
 Xeon with AMX the int8 0.5B draft took 57 ms for 1 token and 81 ms for 8 at 800 tokens of
 context, so a one-token ratio (0.25) had the cost gates draft more than paid.
 
-Prints a table (median of --reps forwards after one warm-up); no assertions.
+With ``--breakdown`` it then times the target's forward part by part over one token and
+the verify budget's tokens (linear layers by kind, attention, norms, LM head, the rest), by
+module hooks on the wall clock: PyTorch's profiler does not see the project's ctypes
+kernels and charges their time to whatever operator it saw last.
+
+Prints tables (median of --reps forwards after one warm-up); no assertions.
 """
 
 from __future__ import annotations
@@ -48,7 +53,14 @@ from sglang_graft.engine.attention import use_gqa_attention
 from sglang_graft.engine.cpu_linear import CPU_KERNEL_MODES, KernelLinear, use_cpu_kernel, wants_cpu_kernel
 from sglang_graft.engine.draft_head import DraftHead
 from sglang_graft.engine.draft_int8 import INT8_KERNELS, int8_draft, span_reader
-from sglang_graft.engine.forward_cost import ForwardTimer, interleaved_ms, prefill_ms, read_cost, verify_costs_flag
+from sglang_graft.engine.forward_cost import (
+    ForwardTimer,
+    breakdown_ms,
+    interleaved_ms,
+    prefill_ms,
+    read_cost,
+    verify_costs_flag,
+)
 
 
 def recommended_num_nodes(target_ms: dict[int, float], slack: float) -> int:
@@ -98,6 +110,11 @@ def main() -> None:
         help="linear layers through the project's AVX2 kernel, as generate/bench --cpu-kernel runs them (default auto)",
     )
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--breakdown", action="store_true",
+        help="last, time the target's forward part by part (linear layers by kind, attention, norms, LM head, "
+        "the rest) over 1 token and the verify budget's tokens, to see what a wider verify pays for",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,6 +169,20 @@ def main() -> None:
         f"--draft-read-cost {reads:.3f}  (draft prefill of {args.prefill_tokens} tokens: {draft_prefill:.0f} ms, "
         f"i.e. 1 + {args.prefill_tokens} x {reads:.3f} {width}-token draft forwards)"
     )
+    if args.breakdown:
+        print_breakdown(breakdown_ms(timers["target"], sorted({1, verify}), args.reps))
+
+
+def print_breakdown(ms: dict[int, dict[str, float]]) -> None:
+    """The target's forward part by part (``breakdown_ms``), dearest first at the widest count."""
+    counts = sorted(ms)
+    widest = ms[counts[-1]]
+    print(f"target forward by part (median ms over --reps; {' and '.join(map(str, counts))} tokens):")
+    print(f"{'part':>12}" + "".join(f"{f'{q} tok':>9}" for q in counts) + (f"{'diff':>9}" if len(counts) > 1 else ""))
+    for part in sorted(widest, key=lambda p: (p == "total", -widest[p])):
+        row = [ms[q].get(part, 0.0) for q in counts]
+        diff = f"{row[-1] - row[0]:>9.1f}" if len(counts) > 1 else ""
+        print(f"{part:>12}" + "".join(f"{v:>9.1f}" for v in row) + diff)
 
 
 if __name__ == "__main__":

@@ -114,3 +114,32 @@ def test_read_cost_is_the_extra_forwards_per_prompt_token():
     # The int8 draft measured in engine.config: 25 ms for 1 token, 830 ms for 700.
     assert read_cost(830.0, 25.0, 700) == (830.0 / 25.0 - 1.0) / 700
     assert read_cost(20.0, 25.0, 700) == 0.0  # a prefill faster than one forward: timing noise
+
+
+def test_breakdown_charges_each_part_where_its_time_is_spent(monkeypatch):
+    """A slowed ``gate_proj`` shows up under ``gate_proj``, not under its MLP block or the
+    rest, the parts add up to the forward, and no hook is left behind."""
+    import time
+
+    from sglang_graft.engine.forward_cost import breakdown_ms
+
+    target, _ = tiny_models("qwen2", vocab_size=100, seed=0, hidden=32)
+    layers = target.model.layers
+    for layer in layers:
+        gate = layer.mlp.gate_proj
+        original = gate.forward
+
+        def slow(x, original=original):
+            time.sleep(0.003)
+            return original(x)
+
+        monkeypatch.setattr(gate, "forward", slow)
+    ms = breakdown_ms(ForwardTimer(target, 12, 100), [1, 4], reps=2)
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for q in (1, 4):
+        parts = ms[q]
+        assert set(parts) == linears | {"attention", "mlp other", "norms", "lm head", "other", "total"}
+        assert parts["gate_proj"] >= 3.0 * len(layers)
+        assert parts["mlp other"] < parts["gate_proj"] / 2 and parts["other"] < parts["gate_proj"] / 2
+        assert abs(sum(v for k, v in parts.items() if k != "total") - parts["total"]) < 1e-6 * parts["total"] + 1e-9
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in target.modules())

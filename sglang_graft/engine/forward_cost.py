@@ -117,6 +117,77 @@ def prefill_ms(
     return statistics.median(times[1:]) * 1e3
 
 
+#: Decoder blocks timed whole by ``breakdown_ms``, by the last part of their module name;
+#: the linear layers inside them (any child with a 2-D weight) are timed one by one.
+_BLOCKS = {"self_attn": "attention", "mlp": "mlp other"}
+
+
+def _parts(model: torch.nn.Module) -> dict[str, tuple[str, str | None]]:
+    """Module name -> (part, enclosing block part or None) for ``breakdown_ms``: decoder
+    blocks, the linear layers inside them (by their own name, e.g. ``gate_proj``), the
+    norms outside them and the LM head."""
+    head = model.get_output_embeddings()
+    parts: dict[str, tuple[str, str | None]] = {}
+    for name, module in model.named_modules():
+        path = name.split(".")
+        block = next((_BLOCKS[p] for p in path[:-1] if p in _BLOCKS), None)
+        if path[-1] in _BLOCKS:
+            parts[name] = (_BLOCKS[path[-1]], None)
+        elif block is not None and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+            parts[name] = (path[-1], block)
+        elif module is head:
+            parts[name] = ("lm head", None)
+        elif block is None and "norm" in path[-1].lower():
+            parts[name] = ("norms", None)
+    return parts
+
+
+def breakdown_ms(timer: ForwardTimer, counts: list[int], reps: int) -> dict[int, dict[str, float]]:
+    """Where a forward's time goes: for each of ``counts`` new tokens, median milliseconds
+    (over ``reps`` forwards after one warm-up, counts round-robin) of each linear layer kind
+    summed over the layers (``q_proj``, ..., ``down_proj``), ``attention`` (the attention
+    blocks less their projections), ``mlp other`` (the MLP blocks less theirs: activation
+    and product), ``norms`` (outside the blocks), ``lm head``, ``other`` (the rest of the
+    forward: embedding, rotary tables, residual adds, cache update, Python) and ``total``.
+
+    Module hooks time each part by the wall clock, so kernels outside PyTorch's operators
+    are counted where they run (PyTorch's profiler does not see them)."""
+    parts = _parts(timer.model)
+    modules = dict(timer.model.named_modules())
+    seconds: dict[str, float] = {}
+    started: dict[str, float] = {}
+    handles = []
+    for name in parts:
+
+        def pre(module: torch.nn.Module, args: object, name: str = name) -> None:
+            started[name] = time.perf_counter()
+
+        def post(module: torch.nn.Module, args: object, output: object, name: str = name) -> None:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started[name]
+
+        handles += [modules[name].register_forward_pre_hook(pre), modules[name].register_forward_hook(post)]
+    samples: dict[int, dict[str, list[float]]] = {q: {} for q in counts}
+    try:
+        for rep in range(reps + 1):
+            for q in counts:
+                seconds.clear()
+                total = timer.seconds(q)
+                if rep == 0:
+                    continue
+                split: dict[str, float] = {"total": total, "other": total}
+                for name, spent in seconds.items():
+                    part, block = parts[name]
+                    # A block's time is charged less its linear layers; the rest's, less the blocks.
+                    for key, sign in ((part, 1.0), (block or "other", -1.0)):
+                        split[key] = split.get(key, 0.0) + sign * spent
+                for part, spent in split.items():
+                    samples[q].setdefault(part, []).append(spent)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {q: {part: statistics.median(t) * 1e3 for part, t in per.items()} for q, per in samples.items()}
+
+
 def read_cost(prefill: float, one_token: float, tokens: int) -> float:
     """Draft forwards one more unread token adds (``--draft-read-cost``), from the time of a
     prefill over ``tokens`` tokens and of a one-token forward (any one unit)."""
