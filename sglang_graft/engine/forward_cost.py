@@ -122,23 +122,23 @@ def prefill_ms(
 _BLOCKS = {"self_attn": "attention", "mlp": "mlp other"}
 
 
-def _parts(model: torch.nn.Module) -> dict[str, tuple[str, str | None]]:
-    """Module name -> (part, enclosing block part or None) for ``breakdown_ms``: decoder
-    blocks, the linear layers inside them (by their own name, e.g. ``gate_proj``), the
-    norms outside them and the LM head."""
+def _parts(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, str | None]]:
+    """Module -> (part, enclosing block part or None) for ``breakdown_ms``: decoder blocks,
+    the linear layers inside them (by their own name, e.g. ``gate_proj``), the norms outside
+    them and the LM head."""
     head = model.get_output_embeddings()
-    parts: dict[str, tuple[str, str | None]] = {}
+    parts: dict[torch.nn.Module, tuple[str, str | None]] = {}
     for name, module in model.named_modules():
         path = name.split(".")
         block = next((_BLOCKS[p] for p in path[:-1] if p in _BLOCKS), None)
         if path[-1] in _BLOCKS:
-            parts[name] = (_BLOCKS[path[-1]], None)
+            parts[module] = (_BLOCKS[path[-1]], None)
         elif block is not None and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
-            parts[name] = (path[-1], block)
+            parts[module] = (path[-1], block)
         elif module is head:
-            parts[name] = ("lm head", None)
+            parts[module] = ("lm head", None)
         elif block is None and "norm" in path[-1].lower():
-            parts[name] = ("norms", None)
+            parts[module] = ("norms", None)
     return parts
 
 
@@ -153,19 +153,16 @@ def breakdown_ms(timer: ForwardTimer, counts: list[int], reps: int) -> dict[int,
     Module hooks time each part by the wall clock, so kernels outside PyTorch's operators
     are counted where they run (PyTorch's profiler does not see them)."""
     parts = _parts(timer.model)
-    modules = dict(timer.model.named_modules())
-    seconds: dict[str, float] = {}
-    started: dict[str, float] = {}
-    handles = []
-    for name in parts:
+    seconds: dict[torch.nn.Module, float] = {}
+    started: dict[torch.nn.Module, float] = {}
 
-        def pre(module: torch.nn.Module, args: object, name: str = name) -> None:
-            started[name] = time.perf_counter()
+    def pre(module: torch.nn.Module, args: object) -> None:
+        started[module] = time.perf_counter()
 
-        def post(module: torch.nn.Module, args: object, output: object, name: str = name) -> None:
-            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started[name]
+    def post(module: torch.nn.Module, args: object, output: object) -> None:
+        seconds[module] = seconds.get(module, 0.0) + time.perf_counter() - started[module]
 
-        handles += [modules[name].register_forward_pre_hook(pre), modules[name].register_forward_hook(post)]
+    handles = [h for m in parts for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     samples: dict[int, dict[str, list[float]]] = {q: {} for q in counts}
     try:
         for rep in range(reps + 1):
@@ -175,8 +172,8 @@ def breakdown_ms(timer: ForwardTimer, counts: list[int], reps: int) -> dict[int,
                 if rep == 0:
                     continue
                 split: dict[str, float] = {"total": total, "other": total}
-                for name, spent in seconds.items():
-                    part, block = parts[name]
+                for module, spent in seconds.items():
+                    part, block = parts[module]
                     # A block's time is charged less its linear layers; the rest's, less the blocks.
                     for key, sign in ((part, 1.0), (block or "other", -1.0)):
                         split[key] = split.get(key, 0.0) + sign * spent
