@@ -9,7 +9,7 @@ import torch
 
 from helpers import TEST_DEVICE
 from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
-from sglang_graft.engine.kv import PaddedKV, causal_block, left_pad
+from sglang_graft.engine.kv import GROW_MIN_TOKENS, GrowingLayer, PaddedKV, causal_block, left_pad
 
 PROMPTS = [[4, 5, 6, 7, 8, 9, 4, 5, 6], [20, 21], [30, 31, 32, 33, 34]]
 
@@ -62,13 +62,16 @@ def test_compacted_caches_equal_a_fresh_forward(pair64, policy, drafts):
             torch.testing.assert_close(draft_cached[b], fresh_d, rtol=0, atol=1e-9)
 
 
+@torch.inference_mode()  # as the engine runs: views made there do not record their base
 def test_commit_repacks_rows_right_aligned():
     kv = PaddedKV(2, "cpu")
     layer_keys = torch.arange(2 * 5, dtype=torch.float64).view(2, 1, 5, 1)
     kv.cache.update(layer_keys, layer_keys.clone(), 0)
     kv.valid = torch.zeros(2, 5, dtype=torch.bool)
+    buffer = kv.cache.layers[0].keys.data_ptr()
     keep = torch.tensor([[True, False, True, True, False], [False, True, False, False, True]])
     kv.commit(keep)
+    assert kv.cache.layers[0].keys.data_ptr() == buffer, "compaction copied the cache instead of moving in place"
     assert kv.lengths.tolist() == [3, 2]
     assert kv.valid.tolist() == [[True, True, True], [False, True, True]]
     keys = kv.cache.layers[0].keys[:, 0, :, 0]
@@ -120,3 +123,46 @@ def test_prefill_refuses_an_empty_chunk(pair64):
     heads, valid = left_pad([[1, 2]], 0, TEST_DEVICE)
     with pytest.raises(ValueError, match="prefill chunk must be >= 1 tokens, got 0"):
         PaddedKV(1, TEST_DEVICE).prefill(pair64[0], heads, valid, chunk=0)
+
+
+def _appended(chunks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(chunks, dim=2)
+
+
+@torch.inference_mode()
+def test_growing_layer_appends_in_place_with_bounded_room():
+    layer = GrowingLayer()
+    gen = torch.Generator().manual_seed(0)
+    chunks: list[torch.Tensor] = []
+    moves = 0
+    for step in range(300):
+        new = torch.randn(2, 3, 1 if step else 40, 8, generator=gen)
+        before = layer.keys.data_ptr() if layer.is_initialized and layer.keys.numel() else None
+        keys, values = layer.update(new, -new)
+        chunks.append(new)
+        moves += before is not None and keys.data_ptr() != before
+        length = keys.shape[2]
+        assert torch.equal(keys, _appended(chunks)) and torch.equal(values, -_appended(chunks))
+        assert layer.get_seq_length() == length
+        room = layer._room[0].shape[2]
+        assert room <= length + max(GROW_MIN_TOKENS, length // 8), f"room {room} for {length} tokens is unbounded"
+    # 40 + 299 tokens one at a time: the buffer moved a handful of times, not every step.
+    assert 1 <= moves <= 4
+
+
+@torch.inference_mode()
+def test_growing_layer_adopts_keys_replaced_from_outside():
+    """A row selection or a cast replaces ``keys`` with a new tensor: the next update
+    continues from that content, not from the stale buffer."""
+    layer = GrowingLayer()
+    first = torch.arange(2 * 1 * 4 * 2, dtype=torch.float32).view(2, 1, 4, 2)
+    layer.update(first, first + 100)
+    layer.keys, layer.values = layer.keys[[1]], layer.values[[1]]
+    new = torch.full((1, 1, 1, 2), -1.0)
+    keys, values = layer.update(new, new)
+    assert torch.equal(keys, torch.cat([first[[1]], new], dim=2))
+    assert torch.equal(values, torch.cat([first[[1]] + 100, new], dim=2))
+    layer.keys, layer.values = layer.keys.to(torch.float64), layer.values.to(torch.float64)
+    keys, _ = layer.update(new.double(), new.double())
+    assert keys.dtype == torch.float64 and keys.shape[2] == 6
+    assert torch.equal(keys[:, :, :5], torch.cat([first[[1]], new], dim=2).double())
