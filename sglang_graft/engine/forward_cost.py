@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from sglang_graft.engine.draft_head import decoder_logits
+from sglang_graft.engine.kv import GrowingCache
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ class ForwardTimer:
         self.gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             prompt = torch.randint(0, vocab, (1, context), generator=self.gen).to(self.device)
-            self.cache = model(prompt, use_cache=True).past_key_values
+            # The engine's cache kind, so the copies a forward makes (none: it appends in
+            # place) are the ones decoding pays.
+            self.cache = GrowingCache()
+            model(prompt, past_key_values=self.cache, use_cache=True)
 
     @torch.inference_mode()
     def seconds(self, q: int) -> float:
