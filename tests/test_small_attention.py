@@ -4,18 +4,21 @@ whichever queries share the call, and keeps every policy lossless."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_graft.engine import EngineConfig, SpecEngine, tiny_models
+from sglang_graft.engine import EngineConfig, SpecEngine, attention, tiny_models
 from sglang_graft.engine.attention import (
     GQA_KERNEL,
     GQA_SDPA,
     SMALL_ATTENTION_NEEDS,
+    SMALL_ATTENTION_PAIRS_FLAG,
     small_attention,
     small_attention_available,
     small_block_attention,
@@ -30,6 +33,30 @@ pytestmark = pytest.mark.skipif(
     reason=f"small-block attention kernel: needs {', '.join(sorted(SMALL_ATTENTION_NEEDS))} "
     f"(missing {', '.join(sorted(SMALL_ATTENTION_NEEDS - cpu_flags())) or 'none'}) and a C++ compiler",
 )
+
+
+# The kernel's two builds: bf16 scores from widened floats, or (on CPUs with AVX512-BF16,
+# where the engine picks it) from VDPBF16PS on bf16 pairs. The kernel-level claims hold for both.
+BUILDS = [
+    pytest.param(False, id="widened"),
+    pytest.param(
+        True,
+        id="pairs",
+        marks=pytest.mark.skipif(
+            SMALL_ATTENTION_PAIRS_FLAG not in cpu_flags(), reason=f"the CPU lacks {SMALL_ATTENTION_PAIRS_FLAG}"
+        ),
+    ),
+]
+
+
+@contextlib.contextmanager
+def _build(pairs: bool):
+    """``small_attention`` through the build with or without bf16 pairs."""
+    lib = attention._small_attention_library(pairs)
+    if lib is None:
+        pytest.skip(f"the small-attention kernel did not build with pairs={pairs}")
+    with mock.patch.object(attention, "_small_attention_library", lambda: lib):
+        yield
 
 
 # The bitwise claims below need the linear layers on the project's fixed-order kernels too.
@@ -63,14 +90,16 @@ def _assert_as_accurate_as_ops(got, query, key, value, mask, scale) -> None:
     assert err <= 2 * ops_err + 1e-6, f"kernel error {err:.3g}, PyTorch's ops {ops_err:.3g}"
 
 
+@pytest.mark.parametrize("pairs", BUILDS)
 @pytest.mark.parametrize("additive", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, d", [(12, 2, 128), (14, 2, 64), (4, 4, 64), (2, 1, 256)])
 @pytest.mark.parametrize("q, length", [(1, 1), (1, 700), (3, 17), (8, 64), (13, 130), (32, 300)])
-def test_as_accurate_as_pytorch_ops(dtype, heads, kv_heads, d, q, length, additive) -> None:
+def test_as_accurate_as_pytorch_ops(dtype, heads, kv_heads, d, q, length, additive, pairs) -> None:
     """A bool mask and the engine's additive one alike."""
     query, key, value, mask = _inputs(2, heads, kv_heads, q, length, d, dtype, seed=q * 1000 + length)
-    got = small_attention(query, key, value, _additive(mask, dtype) if additive else mask, d**-0.5)
+    with _build(pairs):
+        got = small_attention(query, key, value, _additive(mask, dtype) if additive else mask, d**-0.5)
     assert got is not None and got.dtype == dtype and got.shape == (2, q, heads, d)
     _assert_as_accurate_as_ops(got, query, key, value, mask, d**-0.5)
     # The row with nothing to attend averages every value of its KV head.
@@ -78,15 +107,20 @@ def test_as_accurate_as_pytorch_ops(dtype, heads, kv_heads, d, q, length, additi
     torch.testing.assert_close(got[0, 0, 0].double(), mean, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
 
 
-def test_broadcast_mask_strided_cache_and_no_mask() -> None:
-    query, key, value, mask = _inputs(3, 12, 2, 5, 90, 128, torch.float32, seed=7)
-    # A cache slice (not contiguous over its keys) and a mask shared by the batch rows.
+@pytest.mark.parametrize("pairs", BUILDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_broadcast_mask_strided_cache_and_no_mask(dtype, pairs) -> None:
+    query, key, value, mask = _inputs(3, 12, 2, 5, 90, 128, dtype, seed=7)
+    # A cache slice (not contiguous over its keys, as a GrowingCache hands them over) and a
+    # mask shared by the batch rows.
     key_view, value_view = key[:, :, 10:], value[:, :, 10:]
     shared = mask[:1, :, :, 10:]
-    got = small_attention(query, key_view, value_view, shared, 0.1)
-    _assert_as_accurate_as_ops(got, query, key_view, value_view, shared, 0.1)
     one = query[:, :, :1]
-    _assert_as_accurate_as_ops(small_attention(one, key, value, None, 0.1), one, key, value, None, 0.1)
+    with _build(pairs):
+        got = small_attention(query, key_view, value_view, shared, 0.1)
+        unmasked = small_attention(one, key, value, None, 0.1)
+    _assert_as_accurate_as_ops(got, query, key_view, value_view, shared, 0.1)
+    _assert_as_accurate_as_ops(unmasked, one, key, value, None, 0.1)
 
 
 def test_inputs_it_does_not_take_come_back_none() -> None:
@@ -100,6 +134,7 @@ def test_inputs_it_does_not_take_come_back_none() -> None:
     assert small_attention(query[:0], key[:0], value[:0], mask[:0], 0.1) is None
 
 
+@pytest.mark.parametrize("pairs", BUILDS)
 @settings(max_examples=30, deadline=None)
 @given(
     q=st.integers(2, 12),
@@ -108,7 +143,7 @@ def test_inputs_it_does_not_take_come_back_none() -> None:
     seen=st.floats(0.05, 1.0),
     bf16=st.booleans(),
 )
-def test_a_query_gets_the_same_bits_alone_or_in_a_block(q, length, row, seen, bf16) -> None:
+def test_a_query_gets_the_same_bits_alone_or_in_a_block(pairs, q, length, row, seen, bf16) -> None:
     """A decode step and a tree verify compute a token's attention alike: the other queries
     of the block, and keys the token does not see wherever they sit (a tree's other
     branches, padding), change no bit of its output."""
@@ -120,8 +155,9 @@ def test_a_query_gets_the_same_bits_alone_or_in_a_block(q, length, row, seen, bf
     sees[-1] = True  # the token itself
     mask[:, :, row] = sees
     idx = sees.nonzero().squeeze(1)
-    block = small_attention(query, key, value, _additive(mask, dtype), 0.125)  # as the engine passes it
-    alone = small_attention(query[:, :, row : row + 1], key[:, :, idx], value[:, :, idx], None, 0.125)
+    with _build(pairs):
+        block = small_attention(query, key, value, _additive(mask, dtype), 0.125)  # as the engine passes it
+        alone = small_attention(query[:, :, row : row + 1], key[:, :, idx], value[:, :, idx], None, 0.125)
     assert torch.equal(block[:, row : row + 1], alone)
 
 
@@ -235,18 +271,20 @@ def test_bf16_policies_equal_ar_token_for_token(policy) -> None:
     assert sum(sum(r.accepted.values()) for r in out) > 0, f"{policy} accepted nothing: the test would prove nothing"
 
 
+@pytest.mark.parametrize("pairs", BUILDS)
 @pytest.mark.parametrize("bs, kv_heads", [(1, 1), (1, 2), (3, 2)])
-def test_thread_count_changes_no_bit(bs, kv_heads) -> None:
+def test_thread_count_changes_no_bit(bs, kv_heads, pairs) -> None:
     """With more threads than (batch row, KV head) pairs the kernel splits a head's query rows
     between threads; each row is still computed alone, so the bits stay those of one thread."""
     query, key, value, mask = _inputs(bs, 4 * kv_heads, kv_heads, 9, 150, 64, torch.bfloat16, seed=bs + kv_heads)
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = small_attention(query, key, value, mask, 0.125)
-        torch.set_num_threads(4)
-        four = small_attention(query, key, value, mask, 0.125)
-    finally:
-        torch.set_num_threads(before)
+    with _build(pairs):
+        try:
+            torch.set_num_threads(1)
+            one = small_attention(query, key, value, mask, 0.125)
+            torch.set_num_threads(4)
+            four = small_attention(query, key, value, mask, 0.125)
+        finally:
+            torch.set_num_threads(before)
     assert torch.equal(one, four)
     _assert_as_accurate_as_ops(four, query, key, value, mask, 0.125)
