@@ -30,9 +30,11 @@ EXAMPLES_GENERATE = """examples:
 next step: compare every policy with `sglang-graft bench --help`."""
 
 EXAMPLES_BENCH = """results:
-  DIR/results.json  {"meta": {...}, "policies": {NAME: {"overall": BLOCK, "categories": {CAT: BLOCK}}}}
+  DIR/results.json  {"meta": {...}, "policies": {NAME: {"overall": BLOCK, "categories": {CAT: BLOCK},
+                                                        "prompts": [per-prompt tokens, seconds, ...]}}}
                     BLOCK = tau, draft_forwards_per_round, verify_tokens_per_round, tokens_per_s,
-                    speedup_vs_ar, modelled_speedup (tokens per one-token target step of modelled
+                    speedup_vs_ar, speedup_interval ([low, high]: 90% paired bootstrap over the
+                    prompts; null below 2), modelled_speedup (tokens per one-token target step of modelled
                     decode time: --verify-costs, --draft-cost-ratio, --draft-read-cost; the same on
                     every rerun), accepted_share_by_source, identical_to_ar (share of prompts equal
                     to ar token for token), divergences ([{question_id, position, ar_top2_margin,

@@ -160,6 +160,11 @@ def test_bench_writes_results(tmp_path, capsys):
                     "speedup_vs_ar", "accepted_share_by_source", "identical_to_ar", "divergences"):
             assert key in o
         assert o["prompts"] == 2
+        assert len(o["speedup_interval"]) == 2 and o["speedup_interval"][0] <= o["speedup_interval"][1]
+        assert [(r["question_id"], r["tokens"] > 0, r["seconds"] > 0) for r in p["prompts"]] == [
+            ("1", True, True),
+            ("3", True, True),
+        ]
         if name in ("dense", "pruned", "retrieval", "graft"):
             assert o["identical_to_ar"] == 1.0 and o["divergences"] == []
     assert results["policies"]["ar"]["overall"]["speedup_vs_ar"] == pytest.approx(1.0)
@@ -173,6 +178,7 @@ def test_bench_writes_results(tmp_path, capsys):
     assert results["policies"]["hf-pld"]["overall"]["modelled_speedup"] is None
     md = (out / "results.md").read_text()
     assert "| graft |" in md and "Modelled speedup" in md and "every round verifies all n;" in md
+    assert "| 90% interval |" in md and "90% intervals of the speedup over `ar` per category" not in md  # 1 a category
     assert "learned online" not in md and "Partial" not in md
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -14,6 +14,8 @@ anything else is a bug.
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,11 @@ from sglang_graft.engine.prompts import Question, encode_prompt
 
 #: Default near-tie bound per dtype, in logits (see README, "Numerics").
 TIE_MARGINS = {"bfloat16": 0.5, "float16": 0.1, "float32": 1e-3, "float64": 1e-9}
+#: The paired bootstrap behind each ``speedup_interval``: resamples, coverage, and a fixed
+#: seed, so the same records always give the same interval.
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_COVERAGE = 0.9
+BOOTSTRAP_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,10 @@ def summarise(run: BenchRun, meta: dict[str, object]) -> dict[str, object]:
         out: dict[str, object] = {}
         for gname, recs in groups.items():
             out[gname] = _block(recs, ar, run.settings.tie_margin)
+            out[gname]["speedup_interval"] = speedup_interval(
+                [(len(r.output.token_ids), r.seconds) for r in recs],
+                [(len(ar[r.question.question_id].output.token_ids), ar[r.question.question_id].seconds) for r in recs],
+            )
         blocks[name] = out
     for name, out in blocks.items():
         for gname, block in out.items():
@@ -173,11 +184,68 @@ def summarise(run: BenchRun, meta: dict[str, object]) -> dict[str, object]:
     return {
         "meta": meta,
         "policies": {
-            name: {"overall": out["overall"], "categories": {c: out[c] for c in categories}}
+            name: {
+                "overall": out["overall"],
+                "categories": {c: out[c] for c in categories},
+                "prompts": [_prompt_row(r) for r in run.records[name]],
+            }
             for name, out in blocks.items()
         },
         "retrieval_stats": run.retrieval_stats,
         "learned_costs": run.learned_costs,
+    }
+
+
+def speedup_interval(
+    runs: Sequence[tuple[int, float]],
+    ar_runs: Sequence[tuple[int, float]],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    coverage: float = BOOTSTRAP_COVERAGE,
+    seed: int = BOOTSTRAP_SEED,
+) -> list[float] | None:
+    """A percentile bootstrap interval ``[low, high]`` for a speedup over ``ar``.
+
+    ``runs[i]`` and ``ar_runs[i]`` are ``(tokens, seconds)`` of a method and of ``ar`` on
+    the same prompt. Each resample draws prompts with replacement and recomputes the
+    speedup as the report does (tokens per second over the drawn prompts, the method's over
+    ``ar``'s), a drawn prompt counting for both: the interval shows how much a speedup owes
+    to which prompts were asked, which decides comparisons on three prompts a category. It
+    does not see timing noise within one prompt's run (the interleaved order keeps that
+    alike across methods). None for fewer than two prompts or a zero-time draw."""
+    if len(runs) != len(ar_runs):
+        raise ValueError(f"{len(runs)} runs against {len(ar_runs)} ar runs: they must pair up prompt by prompt")
+    if not 0.0 < coverage < 1.0:
+        raise ValueError(f"coverage must be in (0, 1), got {coverage}")
+    if len(runs) < 2 or resamples < 1:
+        return None
+    rng = random.Random(seed)
+    n = len(runs)
+    speedups = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        tokens, seconds = (sum(runs[i][j] for i in picks) for j in (0, 1))
+        ar_tokens, ar_seconds = (sum(ar_runs[i][j] for i in picks) for j in (0, 1))
+        if min(seconds, ar_seconds, ar_tokens) <= 0:
+            return None
+        speedups.append((tokens / seconds) / (ar_tokens / ar_seconds))
+    speedups.sort()
+    tail = (1.0 - coverage) / 2
+    low = speedups[max(0, math.floor(tail * resamples))]
+    high = speedups[min(resamples - 1, math.ceil((1.0 - tail) * resamples) - 1)]
+    return [low, high]
+
+
+def _prompt_row(r: Record) -> dict[str, object]:
+    """One prompt's run as ``results.json`` lists it, for analyses beyond the report's."""
+    out = r.output
+    return {
+        "question_id": r.question.question_id,
+        "category": r.question.category,
+        "tokens": len(out.token_ids),
+        "seconds": r.seconds,
+        "rounds": out.rounds,
+        "draft_forwards": out.draft_forwards,
+        "verify_tokens": out.verify_tokens,
     }
 
 

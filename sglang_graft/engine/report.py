@@ -43,6 +43,11 @@ def _divergence_note(block: dict) -> str:
     return f"{len(divs)} differ ({ties} near-ties; margins {margins})"
 
 
+def _interval(block: dict) -> str:
+    span = block.get("speedup_interval")
+    return "-" if span is None else f"{span[0]:.2f}-{span[1]:.2f}x"
+
+
 def _modelled(block: dict) -> str:
     speedup = block.get("modelled_speedup")
     return "-" if speedup is None else f"{speedup:.3f}x"
@@ -63,15 +68,15 @@ def markdown(results: dict) -> str:
         f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
         "",
         *_partial(meta),
-        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | modelled speedup | identical to ar | accepted by source |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | 90% interval | modelled speedup | identical to ar | accepted by source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in pol.items():
         o = p["overall"]
         lines.append(
             f"| {name} | {o['tau']:.2f} | {o['draft_forwards_per_round']:.2f} | {o['verify_tokens_per_round']:.1f} | "
-            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {_modelled(o)} | {100 * o['identical_to_ar']:.0f}% | "
-            f"{_sources(o['accepted_share_by_source'])} |"
+            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {_interval(o)} | {_modelled(o)} | "
+            f"{100 * o['identical_to_ar']:.0f}% | {_sources(o['accepted_share_by_source'])} |"
         )
     cats = list(next(iter(pol.values()))["categories"])
     lines += ["", "Speedup over `ar` (tau) per category:", "", "| policy | " + " | ".join(cats) + " |"]
@@ -79,6 +84,19 @@ def markdown(results: dict) -> str:
     for name, p in pol.items():
         cells = [f"{p['categories'][c]['speedup_vs_ar']:.2f}x ({p['categories'][c]['tau']:.2f})" for c in cats]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any(p["categories"][c].get("speedup_interval") is not None for p in pol.values() for c in cats):
+        lines += [
+            "",
+            "90% intervals of the speedup over `ar` per category (paired bootstrap over the prompts: how much "
+            "each number owes to which prompts were asked; where two methods' intervals overlap much, other "
+            "prompts could order them otherwise):",
+            "",
+            "| policy | " + " | ".join(cats) + " |",
+            "|---|" + "---|" * len(cats),
+        ]
+        for name, p in pol.items():
+            if name != "ar":
+                lines.append(f"| {name} | " + " | ".join(_interval(p["categories"][c]) for c in cats) + " |")
     if any(p["overall"].get("modelled_speedup") is not None for p in pol.values()):
         lines += ["", "Modelled speedup (decode time under the cost model, prefill excluded) per category:", ""]
         lines += ["| policy | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
