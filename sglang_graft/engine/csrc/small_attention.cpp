@@ -114,45 +114,33 @@ struct Scratch {
   std::vector<uint32_t> pairs;  // bf16 queries as pairs of elements (AVX512-BF16 builds)
 };
 
-// scores[r][kb0 + c] = q[r] . key[kb0 + c] for a register block of R query rows against a
-// transposed key block kt[d][kKeys].
-template <int R>
-inline void score_block(const float* q, long d, const float* kt, float* scores, long stride) {
-  __m512 acc[R][kKeys / kLanes];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kKeys / kLanes; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (long e = 0; e < d; ++e) {
-    __m512 kv[kKeys / kLanes];
-    for (int j = 0; j < kKeys / kLanes; ++j) kv[j] = _mm512_loadu_ps(kt + e * kKeys + j * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 qe = _mm512_set1_ps(q[r * d + e]);
-      for (int j = 0; j < kKeys / kLanes; ++j) acc[r][j] = _mm512_fmadd_ps(qe, kv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kKeys / kLanes; ++j) _mm512_storeu_ps(scores + r * stride + j * kLanes, acc[r][j]);
-}
-
+// One multiply-add of a score block: 16 keys' float elements times a query element (FMA),
+// or, in AVX512-BF16 builds, 16 keys' bf16 pairs times a query pair (VDPBF16PS).
+inline __m512 score_step(__m512 acc, float q, __m512 keys) { return _mm512_fmadd_ps(_mm512_set1_ps(q), keys, acc); }
 #ifdef __AVX512BF16__
-// The same scores from bf16 pairs: q holds R rows of `pairs` pairs, kt a key block
-// transposed to [pairs][kKeys] pairs (each 32-bit word two bf16 of one key).
-template <int R>
-inline void score_block_pairs(const uint32_t* q, long pairs, const uint32_t* kt, float* scores, long stride) {
-  __m512 acc[R][kKeys / kLanes];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kKeys / kLanes; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (long e = 0; e < pairs; ++e) {
-    __m512bh kv[kKeys / kLanes];
-    for (int j = 0; j < kKeys / kLanes; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kt + e * kKeys + j * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh qe = (__m512bh)_mm512_set1_epi32(q[r * pairs + e]);
-      for (int j = 0; j < kKeys / kLanes; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qe, kv[j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kKeys / kLanes; ++j) _mm512_storeu_ps(scores + r * stride + j * kLanes, acc[r][j]);
+inline __m512 score_step(__m512 acc, uint32_t q, __m512 keys) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(q), (__m512bh)_mm512_castps_si512(keys));
 }
 #endif
+
+// scores[r][kb0 + c] = q[r] . key[kb0 + c] for a register block of R query rows against a
+// key block transposed to kt[steps][kKeys]: `Elem` float (a step is an element of d) or
+// uint32_t (a step is a pair of bf16 elements, each word two of one key).
+template <int R, typename Elem>
+inline void score_block(const Elem* q, long steps, const Elem* kt, float* scores, long stride) {
+  __m512 acc[R][kKeys / kLanes];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kKeys / kLanes; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (long e = 0; e < steps; ++e) {
+    __m512 kv[kKeys / kLanes];
+    for (int j = 0; j < kKeys / kLanes; ++j)
+      kv[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(kt + e * kKeys + j * kLanes));
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kKeys / kLanes; ++j) acc[r][j] = score_step(acc[r][j], q[r * steps + e], kv[j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kKeys / kLanes; ++j) _mm512_storeu_ps(scores + r * stride + j * kLanes, acc[r][j]);
+}
 
 // acc[r][chunk] += sum_c probs[r][c] * vb[c][chunk] over a value block of n keys, for a
 // register block of R rows and one chunk of 64 output dims.
@@ -258,7 +246,8 @@ inline void pair_scores(const Call& c, Scratch& w, const bf16* q, const bf16* k,
         for (long j = 0; j < kLanes; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (e + j) * kKeys + c0), tile[j]);
       }
     by_row_blocks(rows, [&](long r, auto R) {
-      score_block_pairs<decltype(R)::value>(&w.pairs[r * pairs], pairs, kt, &w.scores[r * padded + kb], padded);
+      score_block<decltype(R)::value>(&w.pairs[r * pairs], pairs, static_cast<const uint32_t*>(kt),
+                                      &w.scores[r * padded + kb], padded);
     });
   }
 }
@@ -301,7 +290,7 @@ void task(const Call& c, Scratch& w, long b, long h, long r0, long r1) {
         for (long j = 0; j < kLanes; ++j) _mm512_storeu_ps(kt + (e + j) * kKeys + c0, tile[j]);
       }
     by_row_blocks(rows, [&](long r, auto R) {
-      score_block<decltype(R)::value>(&w.q[r * d], d, kt, &w.scores[r * padded + kb], padded);
+      score_block<decltype(R)::value>(&w.q[r * d], d, static_cast<const float*>(kt), &w.scores[r * padded + kb], padded);
     });
   }
   for (long r = 0; r < rows; ++r) {
