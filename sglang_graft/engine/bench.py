@@ -172,9 +172,10 @@ def summarise(run: BenchRun, meta: dict[str, object]) -> dict[str, object]:
         out: dict[str, object] = {}
         for gname, recs in groups.items():
             out[gname] = _block(recs, ar, run.settings.tie_margin)
+            refs = [ar[r.question.question_id] for r in recs]
             out[gname]["speedup_interval"] = speedup_interval(
                 [(len(r.output.token_ids), r.seconds) for r in recs],
-                [(len(ar[r.question.question_id].output.token_ids), ar[r.question.question_id].seconds) for r in recs],
+                [(len(r.output.token_ids), r.seconds) for r in refs],
             )
         blocks[name] = out
     for name, out in blocks.items():

@@ -14,10 +14,11 @@
 // VDPBF16PS instead: the same exact products of bf16 pairs, added into float32 two at a
 // time, a pair's odd element first, with denormals flushed; half the multiply instructions
 // and no widening of the keys: a layer of the 1.5B target, 12 queries over 700 keys, 334
-// against 406 us, one query over 2000 keys 124 against 185, on a 2-core Zen 4 EPYC); masked keys score the float's lowest, so they get probability 0
-// exactly and an all-masked row comes out uniform, as PyTorch's softmax of such a row does;
-// an additive mask's terms are added to the scaled scores (its dtype's lowest, as the engine
-// passes for hidden keys, again gives 0 exactly).
+// against 406 us, one query over 2000 keys 124 against 185, on a 2-core Zen 4 EPYC);
+// masked keys score the float's lowest, so they get probability 0 exactly and an
+// all-masked row comes out uniform, as PyTorch's softmax of such a row does; an additive
+// mask's terms are added to the scaled scores (its dtype's lowest, as the engine passes for
+// hidden keys, again gives 0 exactly).
 // exp is a degree-6 polynomial after range reduction (about 1 ulp). A query's output depends
 // only on its own row and the keys it sees, in their order: not on which other queries share
 // the call, nor on the keys it does not see, wherever they sit (a tree's other branches,
@@ -221,30 +222,61 @@ inline void softmax_row(float* s, long L, long padded, const void* mask, float s
   for (long l = 0; l < padded; l += kLanes) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inv));
 }
 
-#ifdef __AVX512BF16__
-// The scores of `task` for bf16 inputs through VDPBF16PS: a key block at a time, its pairs
-// transposed (as 32-bit words, no widening) to [d / 2][kKeys].
-inline void pair_scores(const Call& c, Scratch& w, const bf16* q, const bf16* k, long b, long h, long r0, long rows,
-                        long padded) {
-  const long L = c.L, pairs = c.d / 2, group = c.heads / c.kv_heads;
-  w.pairs.resize(rows * pairs);
+// A key block transposed to kt[steps][kKeys] in 16 x 16 tiles: `load(key, e)` gives steps
+// [e, e + 16) of the block's key `key` (< n) as one register; keys n..kKeys are zeros.
+template <typename Load>
+inline void transpose_keys(float* kt, long steps, long n, Load&& load) {
+  for (long c0 = 0; c0 < kKeys; c0 += kLanes)
+    for (long e = 0; e < steps; e += kLanes) {
+      __m512 tile[kLanes];
+      for (long cc = 0; cc < kLanes; ++cc) tile[cc] = c0 + cc < n ? load(c0 + cc, e) : _mm512_setzero_ps();
+      transpose16(tile);
+      for (long j = 0; j < kLanes; ++j) _mm512_storeu_ps(kt + (e + j) * kKeys + c0, tile[j]);
+    }
+}
+
+// Task row `row` of KV head h of batch row b: query head h * group + row / q_len at query
+// position row % q_len.
+template <typename T>
+inline const T* query_row(const Call& c, long b, long h, long row) {
+  const long head = h * (c.heads / c.kv_heads) + row / c.q_len, i = row % c.q_len;
+  return static_cast<const T*>(c.q) + b * c.qs[0] + head * c.qs[1] + i * c.qs[2];
+}
+
+// The scores of `task`'s rows [r0, r0 + rows), a key block at a time: queries and the block
+// widened to float32, the block transposed to [d][kKeys].
+template <typename T>
+void widened_scores(const Call& c, Scratch& w, const T* k, long b, long h, long r0, long rows, long padded) {
+  const long d = c.d, L = c.L;
+  w.q.resize(rows * d);
   for (long r = 0; r < rows; ++r) {
-    const long head = h * group + (r0 + r) / c.q_len, i = (r0 + r) % c.q_len;
-    const bf16* src = q + b * c.qs[0] + head * c.qs[1] + i * c.qs[2];
-    std::memcpy(&w.pairs[r * pairs], src, pairs * sizeof(uint32_t));
+    const T* src = query_row<T>(c, b, h, r0 + r);
+    for (long e = 0; e < d; e += kLanes) _mm512_storeu_ps(&w.q[r * d + e], load16(src + e));
   }
+  float* kt = w.block.data();
+  for (long kb = 0; kb < padded; kb += kKeys) {
+    transpose_keys(kt, d, std::min(kKeys, L - kb),
+                   [&](long key, long e) { return load16(k + (kb + key) * c.ks[2] + e); });
+    by_row_blocks(rows, [&](long r, auto R) {
+      score_block<decltype(R)::value>(&w.q[r * d], d, static_cast<const float*>(kt), &w.scores[r * padded + kb],
+                                      padded);
+    });
+  }
+}
+
+#ifdef __AVX512BF16__
+// The same scores for bf16 inputs through VDPBF16PS: queries copied as pairs of elements,
+// the key block's pairs transposed (as 32-bit words, no widening) to [d / 2][kKeys].
+inline void pair_scores(const Call& c, Scratch& w, const bf16* k, long b, long h, long r0, long rows, long padded) {
+  const long L = c.L, pairs = c.d / 2;
+  w.pairs.resize(rows * pairs);
+  for (long r = 0; r < rows; ++r)
+    std::memcpy(&w.pairs[r * pairs], query_row<bf16>(c, b, h, r0 + r), pairs * sizeof(uint32_t));
   uint32_t* kt = reinterpret_cast<uint32_t*>(w.block.data());  // kKeys * d floats: room to spare
   for (long kb = 0; kb < padded; kb += kKeys) {
-    const long n = std::min(kKeys, L - kb);
-    for (long c0 = 0; c0 < kKeys; c0 += kLanes)
-      for (long e = 0; e < pairs; e += kLanes) {
-        __m512 tile[kLanes];
-        for (long cc = 0; cc < kLanes; ++cc)
-          tile[cc] = c0 + cc < n ? _mm512_castsi512_ps(_mm512_loadu_si512(k + (kb + c0 + cc) * c.ks[2] + 2 * e))
-                                 : _mm512_setzero_ps();
-        transpose16(tile);
-        for (long j = 0; j < kLanes; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (e + j) * kKeys + c0), tile[j]);
-      }
+    transpose_keys(reinterpret_cast<float*>(kt), pairs, std::min(kKeys, L - kb), [&](long key, long e) {
+      return _mm512_castsi512_ps(_mm512_loadu_si512(k + (kb + key) * c.ks[2] + 2 * e));
+    });
     by_row_blocks(rows, [&](long r, auto R) {
       score_block<decltype(R)::value>(&w.pairs[r * pairs], pairs, static_cast<const uint32_t*>(kt),
                                       &w.scores[r * padded + kb], padded);
@@ -257,42 +289,20 @@ inline void pair_scores(const Call& c, Scratch& w, const bf16* q, const bf16* k,
 // h * group + r / q_len at query position r % q_len.
 template <typename T>
 void task(const Call& c, Scratch& w, long b, long h, long r0, long r1) {
-  const long d = c.d, L = c.L, group = c.heads / c.kv_heads, rows = r1 - r0;
+  const long d = c.d, L = c.L, rows = r1 - r0;
   const long padded = (L + kKeys - 1) / kKeys * kKeys;
-  w.q.resize(rows * d);
   w.scores.resize(rows * padded);
   w.block.resize(kKeys * d);
   w.acc.assign(rows * d, 0.0f);
   w.packed.resize(padded + kLanes);
-  const T* q = static_cast<const T*>(c.q);
   const T* k = static_cast<const T*>(c.k) + b * c.ks[0] + h * c.ks[1];
   const T* v = static_cast<const T*>(c.v) + b * c.vs[0] + h * c.vs[1];
-  for (long r = 0; r < rows; ++r) {
-    const long head = h * group + (r0 + r) / c.q_len, i = (r0 + r) % c.q_len;
-    const T* src = q + b * c.qs[0] + head * c.qs[1] + i * c.qs[2];
-    for (long e = 0; e < d; e += kLanes) _mm512_storeu_ps(&w.q[r * d + e], load16(src + e));
-  }
 #ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, bf16>) {
-    pair_scores(c, w, q, k, b, h, r0, rows, padded);
-  } else
+  if constexpr (std::is_same_v<T, bf16>)
+    pair_scores(c, w, k, b, h, r0, rows, padded);
+  else
 #endif
-  // Scores, a key block at a time: the block widened and transposed to [d][kKeys].
-  for (long kb = 0; kb < padded; kb += kKeys) {
-    const long n = std::min(kKeys, L - kb);
-    float* kt = w.block.data();
-    for (long c0 = 0; c0 < kKeys; c0 += kLanes)
-      for (long e = 0; e < d; e += kLanes) {
-        __m512 tile[kLanes];
-        for (long cc = 0; cc < kLanes; ++cc)
-          tile[cc] = c0 + cc < n ? load16(k + (kb + c0 + cc) * c.ks[2] + e) : _mm512_setzero_ps();
-        transpose16(tile);
-        for (long j = 0; j < kLanes; ++j) _mm512_storeu_ps(kt + (e + j) * kKeys + c0, tile[j]);
-      }
-    by_row_blocks(rows, [&](long r, auto R) {
-      score_block<decltype(R)::value>(&w.q[r * d], d, static_cast<const float*>(kt), &w.scores[r * padded + kb], padded);
-    });
-  }
+    widened_scores(c, w, k, b, h, r0, rows, padded);
   for (long r = 0; r < rows; ++r) {
     const long i = (r0 + r) % c.q_len;
     float* row = &w.scores[r * padded];
@@ -316,6 +326,7 @@ void task(const Call& c, Scratch& w, long b, long h, long r0, long r1) {
       });
   }
   T* out = static_cast<T*>(c.out);
+  const long group = c.heads / c.kv_heads;
   for (long r = 0; r < rows; ++r) {
     const long head = h * group + (r0 + r) / c.q_len, i = (r0 + r) % c.q_len;
     T* dst = out + ((b * c.q_len + i) * c.heads + head) * d;
