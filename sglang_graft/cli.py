@@ -34,7 +34,9 @@ EXAMPLES_BENCH = """results:
                                                         "prompts": [per-prompt tokens, seconds, ...]}}}
                     BLOCK = tau, draft_forwards_per_round, verify_tokens_per_round, tokens_per_s,
                     speedup_vs_ar, speedup_interval ([low, high]: 90% paired bootstrap over the
-                    prompts; null below 2), modelled_speedup (tokens per one-token target step of modelled
+                    prompts; null below 2), prefill_seconds, decode_tokens_per_s and
+                    decode_speedup_vs_ar (the target's prefill excluded: what speculation
+                    changes, which on long prompts the prefill hides), modelled_speedup (tokens per one-token target step of modelled
                     decode time: --verify-costs, --draft-cost-ratio, --draft-read-cost; the same on
                     every rerun), accepted_share_by_source, identical_to_ar (share of prompts equal
                     to ar token for token), divergences ([{question_id, position, ar_top2_margin,
@@ -329,6 +331,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         totals.add(r, 0.0)
         decoded.append(pair.tokenizer.decode(r.token_ids, skip_special_tokens=True))
     totals.seconds = out.elapsed_s
+    totals.prefill_s = max((r.prefill_s for r in out.requests), default=0.0)  # one prefill per batch
     for i, text in enumerate(decoded):
         if len(decoded) > 1:
             print(f"--- [{i}]")
@@ -353,6 +356,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "tokens": s["tokens"],
             "rounds": s["rounds"],
             "seconds": out.elapsed_s,
+            "prefill_seconds": totals.prefill_s,
             "draft_forwards_per_round": s["draft_forwards_per_round"],
             "verify_tokens_per_round": s["verify_tokens_per_round"],
             "modelled_speedup": s["modelled_speedup"],

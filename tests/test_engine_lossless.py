@@ -41,6 +41,9 @@ def test_ar_matches_transformers_greedy(pair):
     batched = SpecEngine(target, None, EngineConfig(policy="ar")).generate(PROMPTS, NEW_TOKENS)
     assert [r.token_ids for r in batched.requests] == ref
     assert all(r.tau == 1.0 for r in batched.requests)
+    # The batch's rows share one timed prefill, a part of the call's wall time.
+    prefills = {r.prefill_s for r in batched.requests}
+    assert len(prefills) == 1 and 0 < prefills.pop() < batched.elapsed_s
 
 
 @pytest.mark.parametrize("n", [4, 16])

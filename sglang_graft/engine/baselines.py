@@ -21,20 +21,39 @@ PLD_TOKENS = 10
 
 
 class _CallCounter:
-    """Counts a module's forward calls and the tokens they read while installed."""
+    """Counts a module's forward calls and the tokens they read while installed, and
+    times the first call (generate's prefill: the prompt, with the first candidates)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.calls = 0
         self.tokens = 0
-        self._handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.first_call_s = 0.0
+        self._device = next(module.parameters()).device
+        self._start = 0.0
+        self._handles = (
+            module.register_forward_pre_hook(self._before, with_kwargs=True),
+            module.register_forward_hook(self._after, with_kwargs=True),
+        )
 
-    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.calls += 1
         self.tokens += int(ids.shape[1]) if ids is not None else 0
+        if self.calls == 1:
+            self._start = self._clock()
+
+    def _after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self.calls == 1:
+            self.first_call_s = self._clock() - self._start
+
+    def _clock(self) -> float:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 class HFBaseline:
@@ -98,5 +117,6 @@ class HFBaseline:
             rounds=target_calls.calls,
             draft_forwards=draft_calls.calls if draft_calls is not None and self.name == "hf-assisted" else 0,
             verify_tokens=target_calls.tokens - ids.shape[1],
+            prefill_s=target_calls.first_call_s,
         )
         return result, seconds

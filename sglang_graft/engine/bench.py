@@ -180,8 +180,9 @@ def summarise(run: BenchRun, meta: dict[str, object]) -> dict[str, object]:
         blocks[name] = out
     for name, out in blocks.items():
         for gname, block in out.items():
-            base = blocks["ar"][gname]["tokens_per_s"]
-            block["speedup_vs_ar"] = block["tokens_per_s"] / base if base else 0.0
+            ref = blocks["ar"][gname]
+            for rate, key in (("tokens_per_s", "speedup_vs_ar"), ("decode_tokens_per_s", "decode_speedup_vs_ar")):
+                block[key] = block[rate] / ref[rate] if ref[rate] else 0.0
     return {
         "meta": meta,
         "policies": {
@@ -244,6 +245,7 @@ def _prompt_row(r: Record) -> dict[str, object]:
         "category": r.question.category,
         "tokens": len(out.token_ids),
         "seconds": r.seconds,
+        "prefill_seconds": out.prefill_s,
         "rounds": out.rounds,
         "draft_forwards": out.draft_forwards,
         "verify_tokens": out.verify_tokens,

@@ -203,7 +203,11 @@ class DecodeRun:
         self.bar = tqdm(total=bs * max_new_tokens, desc=engine.config.policy, unit="tok", disable=not progress, leave=False)
         heads, head_valid = left_pad([p[:-1] for p in prompts], 0, device)
         self.target_kv = PaddedKV(bs, device)
+        start = _clock(device)
         self.target_kv.prefill(engine.target, heads, head_valid)
+        prefill_s = _clock(device) - start
+        for out in self.outputs:
+            out.prefill_s = prefill_s
         self.drafter: Drafter | None = None
         if engine.config.uses_draft:
             assert engine.draft is not None
@@ -384,7 +388,8 @@ class DecodeRun:
 
 
 def _clock(device: torch.device) -> float:
-    """Wall-clock seconds once the device has finished what was queued (``online_costs``)."""
+    """Wall-clock seconds once the device has finished what was queued (``online_costs``,
+    the prefill's time)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

@@ -30,6 +30,10 @@ class RequestOutput:
         model_cost: the rounds' modelled time in one-token target steps
             (``sglang_graft.cost.RoundCost``; prefill excluded); 0 where not modelled
             (transformers' baselines).
+        prefill_s: wall seconds the target spent reading the prompt (a batch's rows share
+            one prefill and each carries its time). transformers' baselines have no
+            separate prefill: theirs is the first target forward, over the prompt and the
+            first candidates.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -40,6 +44,7 @@ class RequestOutput:
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSAL_SOURCES, 0))
     margins: list[float] = field(default_factory=list)
     model_cost: float = 0.0
+    prefill_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -71,6 +76,7 @@ class Totals:
     draft_forwards: int = 0
     verify_tokens: int = 0
     seconds: float = 0.0
+    prefill_s: float = 0.0
     model_cost: float = 0.0
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROPOSAL_SOURCES, 0))
 
@@ -80,6 +86,7 @@ class Totals:
         self.draft_forwards += r.draft_forwards
         self.verify_tokens += r.verify_tokens
         self.seconds += seconds
+        self.prefill_s += r.prefill_s
         self.model_cost += r.model_cost
         for k, v in r.accepted.items():
             self.accepted[k] += v
@@ -91,6 +98,15 @@ class Totals:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of the time after the target's prefill: what speculation
+        changes (a draft model's prefill counts, it is part of speculating). On long prompts
+        the target's prefill, alike for every method, is much of ``seconds`` and pulls every
+        ``tokens_per_s`` ratio towards 1."""
+        decode = self.seconds - self.prefill_s
+        return self.tokens / decode if decode > 0 else 0.0
 
     @property
     def modelled_speedup(self) -> float | None:
@@ -108,10 +124,12 @@ class Totals:
             "tokens": self.tokens,
             "rounds": self.rounds,
             "seconds": round(self.seconds, 4),
+            "prefill_seconds": round(self.prefill_s, 4),
             "tau": self.tau,
             "draft_forwards_per_round": self.draft_forwards / self.rounds if self.rounds else 0.0,
             "verify_tokens_per_round": self.verify_tokens / self.rounds if self.rounds else 0.0,
             "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
             "modelled_speedup": self.modelled_speedup,
             "accepted_share_by_source": self.accepted_share(),
         }

@@ -48,6 +48,11 @@ def _interval(block: dict) -> str:
     return "-" if span is None else f"{span[0]:.2f}-{span[1]:.2f}x"
 
 
+def _decode(block: dict) -> str:
+    speedup = block.get("decode_speedup_vs_ar")
+    return "-" if speedup is None else f"{speedup:.2f}x"
+
+
 def _modelled(block: dict) -> str:
     speedup = block.get("modelled_speedup")
     return "-" if speedup is None else f"{speedup:.3f}x"
@@ -68,14 +73,14 @@ def markdown(results: dict) -> str:
         f"near-tie bound {meta['tie_margin']} logits. Questions: `{os.path.basename(str(meta['questions']))}`.",
         "",
         *_partial(meta),
-        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | 90% interval | modelled speedup | identical to ar | accepted by source |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | tau | draft fwd/round | verify tok/round | tokens/s | speedup vs ar | 90% interval | decode speedup | modelled speedup | identical to ar | accepted by source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in pol.items():
         o = p["overall"]
         lines.append(
             f"| {name} | {o['tau']:.2f} | {o['draft_forwards_per_round']:.2f} | {o['verify_tokens_per_round']:.1f} | "
-            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {_interval(o)} | {_modelled(o)} | "
+            f"{o['tokens_per_s']:.2f} | {o['speedup_vs_ar']:.2f}x | {_interval(o)} | {_decode(o)} | {_modelled(o)} | "
             f"{100 * o['identical_to_ar']:.0f}% | {_sources(o['accepted_share_by_source'])} |"
         )
     cats = list(next(iter(pol.values()))["categories"])
@@ -97,6 +102,17 @@ def markdown(results: dict) -> str:
         for name, p in pol.items():
             if name != "ar":
                 lines.append(f"| {name} | " + " | ".join(_interval(p["categories"][c]) for c in cats) + " |")
+    if any(p["overall"].get("decode_speedup_vs_ar") is not None for p in pol.values()):
+        lines += [
+            "",
+            "Decode speedup over `ar` per category (measured, the target's prefill excluded: what speculation "
+            "changes; a draft model's prefill counts):",
+            "",
+            "| policy | " + " | ".join(cats) + " |",
+            "|---|" + "---|" * len(cats),
+        ]
+        for name, p in pol.items():
+            lines.append(f"| {name} | " + " | ".join(_decode(p["categories"][c]) for c in cats) + " |")
     if any(p["overall"].get("modelled_speedup") is not None for p in pol.values()):
         lines += ["", "Modelled speedup (decode time under the cost model, prefill excluded) per category:", ""]
         lines += ["| policy | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
