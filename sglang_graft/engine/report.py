@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 from sglang_graft.engine.outputs import PROPOSAL_SOURCES
 
@@ -84,40 +85,31 @@ def markdown(results: dict) -> str:
             f"{100 * o['identical_to_ar']:.0f}% | {_sources(o['accepted_share_by_source'])} |"
         )
     cats = list(next(iter(pol.values()))["categories"])
-    lines += ["", "Speedup over `ar` (tau) per category:", "", "| policy | " + " | ".join(cats) + " |"]
-    lines.append("|---|" + "---|" * len(cats))
-    for name, p in pol.items():
-        cells = [f"{p['categories'][c]['speedup_vs_ar']:.2f}x ({p['categories'][c]['tau']:.2f})" for c in cats]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += _category_table(
+        pol, cats, "Speedup over `ar` (tau) per category:", lambda b: f"{b['speedup_vs_ar']:.2f}x ({b['tau']:.2f})"
+    )
     if any(p["categories"][c].get("speedup_interval") is not None for p in pol.values() for c in cats):
-        lines += [
-            "",
+        lines += _category_table(
+            pol,
+            cats,
             "90% intervals of the speedup over `ar` per category (paired bootstrap over the prompts: how much "
             "each number owes to which prompts were asked; where two methods' intervals overlap much, other "
             "prompts could order them otherwise):",
-            "",
-            "| policy | " + " | ".join(cats) + " |",
-            "|---|" + "---|" * len(cats),
-        ]
-        for name, p in pol.items():
-            if name != "ar":
-                lines.append(f"| {name} | " + " | ".join(_interval(p["categories"][c]) for c in cats) + " |")
+            _interval,
+            with_ar=False,
+        )
     if any(p["overall"].get("decode_speedup_vs_ar") is not None for p in pol.values()):
-        lines += [
-            "",
+        lines += _category_table(
+            pol,
+            cats,
             "Decode speedup over `ar` per category (measured, the target's prefill excluded: what speculation "
             "changes; a draft model's prefill counts):",
-            "",
-            "| policy | " + " | ".join(cats) + " |",
-            "|---|" + "---|" * len(cats),
-        ]
-        for name, p in pol.items():
-            lines.append(f"| {name} | " + " | ".join(_decode(p["categories"][c]) for c in cats) + " |")
+            _decode,
+        )
     if any(p["overall"].get("modelled_speedup") is not None for p in pol.values()):
-        lines += ["", "Modelled speedup (decode time under the cost model, prefill excluded) per category:", ""]
-        lines += ["| policy | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
-        for name, p in pol.items():
-            lines.append(f"| {name} | " + " | ".join(_modelled(p["categories"][c]) for c in cats) + " |")
+        lines += _category_table(
+            pol, cats, "Modelled speedup (decode time under the cost model, prefill excluded) per category:", _modelled
+        )
     lines += ["", "Divergences from `ar` (first differing position, `ar`'s top-2 logit margin there):", ""]
     for name, p in pol.items():
         if name != "ar":
@@ -126,6 +118,17 @@ def markdown(results: dict) -> str:
         lines += ["", "Costs learned online by the end of the run (the flags that would price rounds alike):", ""]
         lines += [f"- {name}: `{flags}`" for name, flags in results["learned_costs"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _category_table(
+    pol: dict, cats: list[str], title: str, cell: Callable[[dict], str], with_ar: bool = True
+) -> list[str]:
+    """A titled table of one figure per policy (rows) and category (columns)."""
+    lines = ["", title, "", "| policy | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+    for name, p in pol.items():
+        if with_ar or name != "ar":
+            lines.append(f"| {name} | " + " | ".join(cell(p["categories"][c]) for c in cats) + " |")
+    return lines
 
 
 def _partial(meta: dict) -> list[str]:
