@@ -36,9 +36,10 @@ EXAMPLES_BENCH = """results:
                     speedup_vs_ar, speedup_interval ([low, high]: 90% paired bootstrap over the
                     prompts; null below 2), prefill_seconds, decode_tokens_per_s and
                     decode_speedup_vs_ar (the target's prefill excluded: what speculation
-                    changes, which on long prompts the prefill hides), modelled_speedup (tokens per one-token target step of modelled
-                    decode time: --verify-costs, --draft-cost-ratio, --draft-read-cost; the same on
-                    every rerun), accepted_share_by_source, identical_to_ar (share of prompts equal
+                    changes, which on long prompts the prefill hides), modelled_speedup
+                    (tokens per one-token target step of modelled decode time: --verify-costs,
+                    --draft-cost-ratio, --draft-read-cost; the same on every rerun),
+                    accepted_share_by_source, identical_to_ar (share of prompts equal
                     to ar token for token), divergences ([{question_id, position, ar_top2_margin,
                     near_tie}])
   DIR/results.md    the same as tables;  DIR/pareto.png  speedup vs tau per policy
